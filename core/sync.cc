@@ -1,0 +1,74 @@
+#include "core/sync.h"
+
+namespace coverbs {
+
+void Event::Set() {
+  std::lock_guard<std::mutex> lock(mu_);
+  set_ = true;
+  while (internal::SyncWaiter* w = waiters_.pop_front()) w->Wake();
+}
+
+void Event::Reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  set_ = false;
+}
+
+bool Event::is_set() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return set_;
+}
+
+bool Semaphore::TryAcquire(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (waiters_.empty() && count_ >= n) {
+    count_ -= n;
+    return true;
+  }
+  return false;
+}
+
+void Semaphore::Release(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  count_ += n;
+  GrantLocked();
+}
+
+void Semaphore::GrantLocked() {
+  while (internal::SyncWaiter* w = waiters_.front()) {
+    if (count_ < w->amount) break;
+    count_ -= w->amount;
+    waiters_.erase(w);
+    w->Wake();
+  }
+}
+
+size_t Semaphore::available() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_;
+}
+
+size_t Semaphore::waiters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.size();
+}
+
+void WaitGroup::Add(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  count_ += n;
+}
+
+void WaitGroup::Done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  assert(count_ > 0 && "WaitGroup::Done without Add");
+  if (count_ == 0) return;
+  if (--count_ == 0) {
+    while (internal::SyncWaiter* w = waiters_.pop_front()) w->Wake();
+  }
+}
+
+size_t WaitGroup::count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_;
+}
+
+}  // namespace coverbs

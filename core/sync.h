@@ -1,0 +1,389 @@
+// Coroutine synchronization primitives: Event, Semaphore, WaitGroup and a
+// bounded Channel<T>.
+//
+// All of them are thread-safe: waiters and signallers may run on different
+// reactors (threads). A waiter is always resumed on the reactor it suspended
+// on, through that reactor's ready queue (never inline in the signaller).
+// Waiting never allocates: the waiter node lives in the awaiting frame.
+// Every wait honours the awaiting coroutine's ambient stop token and then
+// yields absl::CancelledError. Waiters are served in FIFO order.
+#ifndef COVERBS_CORE_SYNC_H_
+#define COVERBS_CORE_SYNC_H_
+
+#include <cassert>
+#include <coroutine>
+#include <cstddef>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/intrusive.h"
+#include "core/reactor.h"
+#include "core/task.h"
+
+namespace coverbs {
+
+namespace internal {
+
+// A suspended coroutine parked on a primitive's list.
+struct SyncWaiter : ListNode<SyncWaiter> {
+  std::coroutine_handle<> handle;
+  Reactor* reactor = nullptr;
+  bool cancelled = false;
+  size_t amount = 0;  // Semaphore permits wanted
+  void* value = nullptr;  // Channel: T* to deliver from / into
+  bool value_ok = false;  // Channel: a value was transferred
+  void Wake() { reactor->Schedule(handle); }
+};
+
+// Common awaiter machinery: `Prim` provides TryLocked(waiter) (called with
+// mu_ held: returns true if the operation completed without waiting) and a
+// list `waiters_`.
+template <typename Prim>
+class SyncAwaiterBase {
+ public:
+  explicit SyncAwaiterBase(Prim* p) : prim_(p) {}
+  SyncAwaiterBase(const SyncAwaiterBase&) = delete;
+  ~SyncAwaiterBase() {
+    cb_.reset();
+    // Frame destroyed while parked (reactor shutdown): unlink.
+    std::lock_guard<std::mutex> lock(prim_->mu_);
+    if (node_.linked()) prim_->WaitersFor(node_).erase(&node_);
+  }
+  bool await_ready() const noexcept { return false; }
+  template <typename P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    std::stop_token token = StopTokenOf(h);
+    node_.handle = h;
+    node_.reactor = Reactor::Current();
+    assert(node_.reactor != nullptr && "sync waits need a running Reactor");
+    {
+      std::lock_guard<std::mutex> lock(prim_->mu_);
+      if (prim_->TryLocked(node_)) return false;
+      if (token.stop_requested()) {
+        node_.cancelled = true;
+        return false;
+      }
+      prim_->WaitersFor(node_).push_back(&node_);
+    }
+    // After unlocking: the callback may run inline and takes the lock.
+    if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
+    return true;
+  }
+
+ protected:
+  struct Canceller {
+    SyncAwaiterBase* self;
+    void operator()() const noexcept {
+      std::lock_guard<std::mutex> lock(self->prim_->mu_);
+      if (!self->node_.linked()) return;  // already woken
+      self->prim_->WaitersFor(self->node_).erase(&self->node_);
+      self->node_.cancelled = true;
+      self->prim_->OnWaiterCancelledLocked();
+      self->node_.Wake();
+    }
+  };
+  void Finish() { cb_.reset(); }
+
+  Prim* prim_;
+  SyncWaiter node_;
+  std::optional<std::stop_callback<Canceller>> cb_;
+};
+
+}  // namespace internal
+
+// A manual-reset event: Wait() completes once Set() was called, until Reset().
+class Event {
+ public:
+  explicit Event(bool initially_set = false) : set_(initially_set) {}
+  Event(const Event&) = delete;
+
+  void Set();
+  void Reset();
+  bool is_set() const;
+
+  class Awaiter : public internal::SyncAwaiterBase<Event> {
+   public:
+    using SyncAwaiterBase::SyncAwaiterBase;
+    absl::Status await_resume() {
+      Finish();
+      if (node_.cancelled) return absl::CancelledError("event wait cancelled");
+      return absl::OkStatus();
+    }
+  };
+  // Yields OK once set, or Cancelled.
+  Awaiter Wait() { return Awaiter(this); }
+
+ private:
+  friend class internal::SyncAwaiterBase<Event>;
+  bool TryLocked(internal::SyncWaiter&) { return set_; }
+  internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
+      internal::SyncWaiter&) {
+    return waiters_;
+  }
+  void OnWaiterCancelledLocked() {}
+
+  mutable std::mutex mu_;
+  bool set_;
+  internal::IntrusiveList<internal::SyncWaiter> waiters_;
+};
+
+// Counting semaphore with FIFO fairness: a large Acquire at the head is not
+// overtaken by later small ones (so credits are granted in order).
+class Semaphore {
+ public:
+  explicit Semaphore(size_t initial = 0) : count_(initial) {}
+  Semaphore(const Semaphore&) = delete;
+
+  bool TryAcquire(size_t n = 1);
+  void Release(size_t n = 1);
+  size_t available() const;
+  size_t waiters() const;
+
+  class Awaiter : public internal::SyncAwaiterBase<Semaphore> {
+   public:
+    Awaiter(Semaphore* s, size_t n) : SyncAwaiterBase(s) { node_.amount = n; }
+    absl::Status await_resume() {
+      Finish();
+      if (node_.cancelled) {
+        return absl::CancelledError("semaphore acquire cancelled");
+      }
+      return absl::OkStatus();
+    }
+  };
+  // Yields OK once `n` permits were taken, or Cancelled (nothing taken).
+  Awaiter Acquire(size_t n = 1) { return Awaiter(this, n); }
+
+ private:
+  friend class internal::SyncAwaiterBase<Semaphore>;
+  bool TryLocked(internal::SyncWaiter& w) {
+    if (waiters_.empty() && count_ >= w.amount) {
+      count_ -= w.amount;
+      return true;
+    }
+    return false;
+  }
+  internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
+      internal::SyncWaiter&) {
+    return waiters_;
+  }
+  // A cancelled head may have been blocking smaller requests behind it.
+  void OnWaiterCancelledLocked() { GrantLocked(); }
+  void GrantLocked();
+
+  mutable std::mutex mu_;
+  size_t count_;
+  internal::IntrusiveList<internal::SyncWaiter> waiters_;
+};
+
+// Waits for a set of activities: Add(n) before starting them, Done() as each
+// ends; Wait() completes when the count reaches zero.
+class WaitGroup {
+ public:
+  WaitGroup() = default;
+  WaitGroup(const WaitGroup&) = delete;
+
+  void Add(size_t n = 1);
+  void Done();
+  size_t count() const;
+
+  class Awaiter : public internal::SyncAwaiterBase<WaitGroup> {
+   public:
+    using SyncAwaiterBase::SyncAwaiterBase;
+    absl::Status await_resume() {
+      Finish();
+      if (node_.cancelled) {
+        return absl::CancelledError("wait group wait cancelled");
+      }
+      return absl::OkStatus();
+    }
+  };
+  Awaiter Wait() { return Awaiter(this); }
+
+ private:
+  friend class internal::SyncAwaiterBase<WaitGroup>;
+  bool TryLocked(internal::SyncWaiter&) { return count_ == 0; }
+  internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
+      internal::SyncWaiter&) {
+    return waiters_;
+  }
+  void OnWaiterCancelledLocked() {}
+
+  mutable std::mutex mu_;
+  size_t count_ = 0;
+  internal::IntrusiveList<internal::SyncWaiter> waiters_;
+};
+
+// Bounded multi-producer multi-consumer channel. Send waits while the buffer
+// is full; Recv waits while it is empty. Close() wakes every waiter: pending
+// and later sends fail with FailedPrecondition, receives drain what is
+// buffered and then fail with OutOfRange.
+template <typename T>
+class Channel {
+ public:
+  explicit Channel(size_t capacity) : capacity_(capacity ? capacity : 1) {
+    buf_.reserve(capacity_);
+    for (size_t i = 0; i < capacity_; ++i) buf_.emplace_back();
+  }
+  Channel(const Channel&) = delete;
+
+  // Non-blocking variants; false / nullopt when they would wait.
+  bool TrySend(T& v);
+  std::optional<T> TryRecv();
+  void Close();
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_;
+  }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return size_;
+  }
+  size_t capacity() const { return capacity_; }
+
+  class SendAwaiter : public internal::SyncAwaiterBase<Channel> {
+   public:
+    SendAwaiter(Channel* c, T v) : internal::SyncAwaiterBase<Channel>(c), v_(std::move(v)) {
+      this->node_.value = &v_;
+      this->node_.amount = 1;  // marks a sender
+    }
+    absl::Status await_resume() {
+      this->Finish();
+      if (this->node_.cancelled) return absl::CancelledError("channel send cancelled");
+      if (!this->node_.value_ok) {
+        return absl::FailedPreconditionError("channel closed: send failed");
+      }
+      return absl::OkStatus();
+    }
+
+   private:
+    T v_;
+  };
+  class RecvAwaiter : public internal::SyncAwaiterBase<Channel> {
+   public:
+    explicit RecvAwaiter(Channel* c) : internal::SyncAwaiterBase<Channel>(c) {
+      this->node_.value = &slot_;
+      this->node_.amount = 0;  // marks a receiver
+    }
+    absl::StatusOr<T> await_resume() {
+      this->Finish();
+      if (this->node_.cancelled) {
+        return absl::CancelledError("channel receive cancelled");
+      }
+      if (!this->node_.value_ok) {
+        return absl::OutOfRangeError("channel closed and drained");
+      }
+      return std::move(*slot_);
+    }
+
+   private:
+    std::optional<T> slot_;
+  };
+
+  SendAwaiter Send(T v) { return SendAwaiter(this, std::move(v)); }
+  RecvAwaiter Recv() { return RecvAwaiter(this); }
+
+ private:
+  friend class internal::SyncAwaiterBase<Channel>;
+  internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
+      internal::SyncWaiter& w) {
+    return w.amount ? senders_ : receivers_;
+  }
+  void OnWaiterCancelledLocked() {}
+
+  void PushLocked(T&& v) {
+    buf_[(head_ + size_) % capacity_].emplace(std::move(v));
+    ++size_;
+  }
+  T PopLocked() {
+    T v = std::move(*buf_[head_]);
+    buf_[head_].reset();
+    head_ = (head_ + 1) % capacity_;
+    --size_;
+    return v;
+  }
+  // Moves the first parked sender's value into the buffer (after a pop).
+  void RefillFromSenderLocked() {
+    if (size_ < capacity_ && !senders_.empty()) {
+      internal::SyncWaiter* s = senders_.pop_front();
+      PushLocked(std::move(*static_cast<T*>(s->value)));
+      s->value_ok = true;
+      s->Wake();
+    }
+  }
+  bool SendLocked(T& v) {
+    if (closed_) return false;
+    if (!receivers_.empty()) {  // buffer is empty: hand over directly
+      internal::SyncWaiter* r = receivers_.pop_front();
+      static_cast<std::optional<T>*>(r->value)->emplace(std::move(v));
+      r->value_ok = true;
+      r->Wake();
+      return true;
+    }
+    if (size_ < capacity_) {
+      PushLocked(std::move(v));
+      return true;
+    }
+    return false;
+  }
+  bool TryLocked(internal::SyncWaiter& w) {
+    if (w.amount) {  // sender
+      if (closed_) return true;  // fails in await_resume (value_ok false)
+      T& v = *static_cast<T*>(w.value);
+      if (SendLocked(v)) {
+        w.value_ok = true;
+        return true;
+      }
+      return false;
+    }
+    // receiver
+    if (size_ > 0) {
+      static_cast<std::optional<T>*>(w.value)->emplace(PopLocked());
+      w.value_ok = true;
+      RefillFromSenderLocked();
+      return true;
+    }
+    return closed_;  // closed and empty: fail without waiting
+  }
+
+  mutable std::mutex mu_;
+  const size_t capacity_;
+  std::vector<std::optional<T>> buf_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+  bool closed_ = false;
+  internal::IntrusiveList<internal::SyncWaiter> senders_;
+  internal::IntrusiveList<internal::SyncWaiter> receivers_;
+};
+
+template <typename T>
+bool Channel<T>::TrySend(T& v) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SendLocked(v);
+}
+
+template <typename T>
+std::optional<T> Channel<T>::TryRecv() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (size_ == 0) return std::nullopt;
+  T v = PopLocked();
+  RefillFromSenderLocked();
+  return v;
+}
+
+template <typename T>
+void Channel<T>::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  while (internal::SyncWaiter* s = senders_.pop_front()) s->Wake();
+  while (internal::SyncWaiter* r = receivers_.pop_front()) r->Wake();
+}
+
+}  // namespace coverbs
+
+#endif  // COVERBS_CORE_SYNC_H_
