@@ -172,6 +172,7 @@ Reactor* Reactor::Current() { return tls_current; }
 void Reactor::Run() {
   CurrentScope scope(this);
   in_loop_ = true;
+  last_progress_ = SteadyNow();
   while (!stop_.load(std::memory_order_acquire)) Iterate(/*may_block=*/true);
   stop_.store(false, std::memory_order_release);  // Stop() is consumed
   in_loop_ = false;
@@ -505,6 +506,9 @@ bool Reactor::Iterate(bool may_block) {
   // A post that raced with the checks above has written the eventfd, so the
   // armed read completes at once and the sleep returns.
   Sleep(NextDeadline());
+  // Whatever woke us (a completion, a timer) usually means more is coming:
+  // the adaptive spin budget starts again.
+  last_progress_ = SteadyNow();
   return work > 0;
 }
 
