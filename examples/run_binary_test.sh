@@ -1,0 +1,3 @@
+#!/bin/bash
+# Runs an example binary; the examples check their own results.
+exec "$@"

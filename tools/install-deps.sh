@@ -1,0 +1,50 @@
+#!/bin/bash
+# Installs every Debian 12 package coverbs needs, and nothing else.
+# Idempotent: when everything is present it only checks (no apt-get update).
+#
+#   tools/install-deps.sh          build + test dependencies
+#   tools/install-deps.sh --vm     also the VM harness (qemu, kernel, rdma-core
+#                                  tools, perftest) used by tests/vm and bench
+#   tools/install-deps.sh --tools  also valgrind (callgrind instruction counts)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(
+  bazel-bootstrap    # Bazel 4.2.3 (brings a headless JDK)
+  g++ pkg-config
+  libibverbs-dev librdmacm-dev ibverbs-providers
+  liburing-dev
+  libboost-dev       # header-only Boost.Asio (1.74)
+  libabsl-dev
+  libgtest-dev libgmock-dev googletest
+  libbenchmark-dev
+)
+for arg in "$@"; do
+  case "$arg" in
+    --vm)
+      while read -r p _; do
+        [[ -z "$p" || "$p" == \#* ]] && continue
+        PKGS+=("$p")
+      done < tests/vm/packages.txt
+      ;;
+    --tools) PKGS+=(valgrind) ;;
+    *) echo "usage: $0 [--vm] [--tools]" >&2; exit 2 ;;
+  esac
+done
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' ||
+    missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: need root to install: ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # Debian's bazel-rules-* packages do not fit Bazel 4.2.3: no recommends.
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
