@@ -1,0 +1,133 @@
+// RAII handles for the verbs objects a user owns: Device, ProtectionDomain,
+// MemoryRegion, and the plain values that describe memory to the NIC
+// (LocalBuffer) and to the peer (RemoteRegion).
+//
+// Lifetimes: a Device outlives its ProtectionDomains, which outlive their
+// MemoryRegions; a MemoryRegion outlives every operation that uses it (the
+// queue pair keeps a buffer owned by an operation until its completion).
+#ifndef COVERBS_TRANSPORT_DEVICE_H_
+#define COVERBS_TRANSPORT_DEVICE_H_
+
+#include <infiniband/verbs.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/reactor.h"
+#include "core/task.h"
+#include "transport/provider.h"
+
+namespace coverbs::transport {
+
+// Memory the local NIC may access: one scatter/gather element.
+struct LocalBuffer {
+  void* addr = nullptr;
+  uint32_t length = 0;
+  uint32_t lkey = 0;
+  ibv_sge sge() const {
+    return ibv_sge{reinterpret_cast<uint64_t>(addr), length, lkey};
+  }
+};
+
+// Memory the peer exposed to us: what travels over the wire so that the
+// peer's RDMA READ / WRITE / atomics can target it.
+struct RemoteRegion {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  uint32_t rkey = 0;
+  // A sub-range; offset/length are clamped to the region.
+  RemoteRegion Slice(uint64_t offset, uint64_t len) const;
+};
+
+// A registered memory region. Move-only; deregisters on destruction or on
+// Deregister() -- after which remote accesses with its rkey fail with a
+// remote access error on the requester.
+class MemoryRegion {
+ public:
+  MemoryRegion() = default;
+  explicit MemoryRegion(std::unique_ptr<ProviderMr> mr) : mr_(std::move(mr)) {}
+  MemoryRegion(MemoryRegion&&) = default;
+  MemoryRegion& operator=(MemoryRegion&&) = default;
+
+  bool valid() const { return mr_ != nullptr; }
+  void* addr() const { return mr_->addr(); }
+  size_t length() const { return mr_->length(); }
+  uint32_t lkey() const { return mr_->lkey(); }
+  uint32_t rkey() const { return mr_->rkey(); }
+  int access() const { return mr_->access(); }
+  std::span<std::byte> bytes() const {
+    return {static_cast<std::byte*>(addr()), length()};
+  }
+
+  // [offset, offset+len) as a local SGE; len = npos means "to the end".
+  LocalBuffer Local(size_t offset = 0, size_t len = npos) const;
+  // The token to hand to the peer for one-sided access.
+  RemoteRegion Remote(size_t offset = 0, size_t len = npos) const;
+
+  // Revokes the region now (rkey and lkey become invalid).
+  void Deregister() { mr_.reset(); }
+
+  static constexpr size_t npos = static_cast<size_t>(-1);
+
+ private:
+  std::unique_ptr<ProviderMr> mr_;
+};
+
+class Device;
+
+class ProtectionDomain {
+ public:
+  ProtectionDomain(Device* device, std::unique_ptr<ProviderPd> pd)
+      : device_(device), pd_(std::move(pd)) {}
+
+  // Registers caller-owned memory. Access flags are explicit
+  // (IBV_ACCESS_LOCAL_WRITE, _REMOTE_READ, _REMOTE_WRITE, _REMOTE_ATOMIC);
+  // remote write/atomic access implies LOCAL_WRITE (verbs and iWARP require
+  // it). Fails with ResourceExhausted naming RLIMIT_MEMLOCK when the
+  // locked-memory limit is what stopped it.
+  absl::StatusOr<MemoryRegion> Register(void* addr, size_t length, int access);
+  absl::StatusOr<MemoryRegion> Register(std::span<std::byte> mem, int access) {
+    return Register(mem.data(), mem.size(), access);
+  }
+
+  Device* device() const { return device_; }
+  ProviderPd* provider() const { return pd_.get(); }
+
+ private:
+  Device* device_;
+  std::unique_ptr<ProviderPd> pd_;
+};
+
+class Device {
+ public:
+  // Opens the provider selected by `options` (see transport/provider.h).
+  static absl::StatusOr<std::unique_ptr<Device>> Open(
+      const ProviderOptions& options = {});
+  explicit Device(std::unique_ptr<Provider> p) : provider_(std::move(p)) {}
+
+  const DeviceCaps& caps() const { return provider_->caps(); }
+  const std::string& name() const { return provider_->caps().device_name; }
+  Provider* provider() const { return provider_.get(); }
+
+  absl::StatusOr<std::unique_ptr<ProtectionDomain>> AllocPd();
+
+  // Watches asynchronous device events (QP fatal, port change, device fatal,
+  // CQ error) on `reactor` and hands each, decoded, to `handler` on that
+  // reactor's thread, until `stop` is requested. Completes immediately if
+  // the provider has no async event fd.
+  Task<absl::Status> WatchAsyncEvents(
+      Reactor* reactor, std::function<void(const AsyncEvent&)> handler);
+
+ private:
+  std::unique_ptr<Provider> provider_;
+};
+
+}  // namespace coverbs::transport
+
+#endif  // COVERBS_TRANSPORT_DEVICE_H_

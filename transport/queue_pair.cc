@@ -1,0 +1,647 @@
+#include "transport/queue_pair.h"
+
+#include <arpa/inet.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "core/timeout.h"
+
+namespace coverbs::transport {
+
+// ---------------------------------------------------------------------------
+// SendBatch
+
+void SendBatch::AddSend(LocalBuffer buf, std::optional<uint32_t> imm) {
+  ibv_send_wr wr{};
+  wr.opcode = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+void SendBatch::AddWrite(LocalBuffer buf, RemoteRegion remote,
+                         std::optional<uint32_t> imm) {
+  ibv_send_wr wr{};
+  wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+void SendBatch::AddRead(LocalBuffer buf, RemoteRegion remote) {
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_RDMA_READ;
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+// ---------------------------------------------------------------------------
+// OpBase
+
+namespace internal_qp {
+
+OpBase::OpBase(QueuePair* qp, const OpSpec& spec)
+    : qp_(qp), is_recv_(spec.recv), name_(spec.name), qp_num_(qp->qp_num()) {
+  early_ = spec.error;
+  for (const LocalBuffer& b : spec.bufs) sges_.push_back(b.sge());
+  if (spec.batch != nullptr) {
+    batch_ = spec.batch;
+    slots_ = static_cast<uint32_t>(spec.batch->size());
+    return;
+  }
+  if (is_recv_) {
+    rwr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+    return;
+  }
+  swr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+  swr_.opcode = spec.opcode;
+  swr_.send_flags = spec.send_flags | IBV_SEND_SIGNALED;
+  if (spec.imm) swr_.imm_data = htonl(*spec.imm);
+  switch (spec.opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+    case IBV_WR_RDMA_READ:
+      swr_.wr.rdma.remote_addr = spec.remote.addr;
+      swr_.wr.rdma.rkey = spec.remote.rkey;
+      break;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      swr_.wr.atomic.remote_addr = spec.remote.addr;
+      swr_.wr.atomic.rkey = spec.remote.rkey;
+      swr_.wr.atomic.compare_add = spec.compare_add;
+      swr_.wr.atomic.swap = spec.swap;
+      break;
+    default:
+      break;
+  }
+}
+
+OpBase::~OpBase() {
+  cb_.reset();
+  if (completed_) return;
+  // The frame is being destroyed while the operation is pending (reactor
+  // shutdown). Never let the NIC complete into freed memory: withdraw it if
+  // it was not posted, else flush the QP and wait for this completion.
+  destroying_ = true;
+  if (linked()) {
+    (is_recv_ ? qp_->recv_waiters_ : qp_->send_waiters_).erase(this);
+    return;
+  }
+  if (posted_) qp_->DrainSync([this] { return completed_; });
+}
+
+bool OpBase::Suspend(std::coroutine_handle<> h, std::stop_token token) {
+  waiter_ = h;
+  reactor_ = qp_->cq_->reactor();
+  if (token.stop_requested()) {
+    cancelled_ = true;
+    early_ = absl::CancelledError(
+        absl::StrFormat("%s on QP 0x%x cancelled before it was posted", name_,
+                        qp_num_));
+    completed_ = true;
+    return false;
+  }
+  if (!qp_->Start(this)) return false;  // finished synchronously
+  if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
+  return true;
+}
+
+void OpBase::Canceller::operator()() const noexcept {
+  op->cancelled_.store(true, std::memory_order_release);
+  Reactor* r = op->reactor_;
+  if (r->InLoopThread()) {
+    op->qp_->CancelOp(op);
+    return;
+  }
+  // Another thread: the op may complete meanwhile, so the posted request
+  // must not touch it; flushing the QP is what cancellation means anyway.
+  std::weak_ptr<QueuePair*> alive = op->qp_->alive_;
+  r->Post([alive] {
+    if (std::shared_ptr<QueuePair*> qp = alive.lock(); qp && *qp) {
+      (*qp)->SetError("an operation was cancelled from another thread")
+          .IgnoreError();
+    }
+  });
+}
+
+void OpBase::Fail(absl::Status s) {
+  early_ = std::move(s);
+  completed_ = true;
+  Resume();
+}
+
+void OpBase::Resume() {
+  if (!destroying_) reactor_->Schedule(waiter_);
+}
+
+void OpBase::OnCompletion(const ibv_wc& wc) {
+  if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
+  if (!(wc.wr_id & 1)) {  // a non-terminal WR of a batch (errors only)
+    ++nonterminal_seen_;
+    return;
+  }
+  wc_ = wc;
+  completed_ = true;
+  const ibv_wc& w = first_error_ ? *first_error_ : wc_;
+  if (w.status != IBV_WC_SUCCESS) {
+    if (cancelled_.load(std::memory_order_acquire) &&
+        w.status == IBV_WC_WR_FLUSH_ERR) {
+      early_ = absl::CancelledError(absl::StrFormat(
+          "%s on QP 0x%x cancelled: the QP was moved to the error state to "
+          "take the work request back from the NIC",
+          name_, qp_num_));
+    } else {
+      early_ = WcError(w.status, w.vendor_err, name_, qp_num_,
+                       qp_->caps().device_name);
+    }
+  }
+  qp_->Release(this);
+  Resume();
+}
+
+absl::StatusOr<WorkCompletion> OpBase::await_resume() {
+  cb_.reset();
+  if (!early_.ok()) return early_;
+  WorkCompletion out;
+  out.opcode = wc_.opcode;
+  out.byte_len = wc_.byte_len;
+  if (wc_.wc_flags & IBV_WC_WITH_IMM) out.imm = ntohl(wc_.imm_data);
+  out.qp_num = wc_.qp_num;
+  return out;
+}
+
+}  // namespace internal_qp
+
+// ---------------------------------------------------------------------------
+// RecvHandler
+
+void RecvHandler::OnCompletion(const ibv_wc& wc) {
+  QueuePair* qp = qp_;
+  if (qp != nullptr) {
+    ++qp->rq_free_;
+    --qp->handler_recvs_;
+    if (wc.status != IBV_WC_SUCCESS && !qp->in_error_) {
+      qp->in_error_ = true;
+      qp->FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
+          "QP 0x%x is in the error state (%s on a receive)", qp->qp_num_,
+          WcStatusName(wc.status))));
+    }
+    qp->OnOpDone();
+  }
+  OnRecv(wc);
+}
+
+// ---------------------------------------------------------------------------
+// QueuePair
+
+absl::StatusOr<std::pair<std::unique_ptr<QueuePair>, std::unique_ptr<QueuePair>>>
+QueuePair::CreatePair(ProtectionDomain& pd_a, CompletionQueue& cq_a,
+                      ProtectionDomain& pd_b, CompletionQueue& cq_b,
+                      const QpOptions& options) {
+  auto init = [&options](CompletionQueue& cq) {
+    QpInit i;
+    i.send_cq = cq.provider();
+    i.recv_cq = cq.provider();
+    i.srq = options.srq;
+    i.max_send_wr = options.max_send_wr;
+    i.max_recv_wr = options.max_recv_wr;
+    i.max_send_sge = options.max_send_sge;
+    i.max_recv_sge = options.max_recv_sge;
+    i.max_inline_data = std::min(options.max_inline_data,
+                                 cq.device()->caps().max_inline_data);
+    i.rnr_retry = options.rnr_retry;
+    i.min_rnr_timer = options.min_rnr_timer;
+    i.retry_cnt = options.retry_cnt;
+    i.timeout = options.timeout;
+    return i;
+  };
+  Provider* provider = cq_a.device()->provider();
+  auto pair = provider->CreateConnectedPair(pd_a.provider(), init(cq_a),
+                                            pd_b.provider(), init(cq_b));
+  if (!pair.ok()) return pair.status();
+  auto a = Adopt(std::move(pair->a), cq_a, options, pair->keepalive);
+  if (!a.ok()) return a.status();
+  auto b = Adopt(std::move(pair->b), cq_b, options, pair->keepalive);
+  if (!b.ok()) return b.status();
+  return std::make_pair(*std::move(a), *std::move(b));
+}
+
+absl::StatusOr<std::unique_ptr<QueuePair>> QueuePair::Adopt(
+    std::unique_ptr<ProviderQp> qp, CompletionQueue& cq,
+    const QpOptions& options, std::shared_ptr<void> keepalive) {
+  int need = static_cast<int>(qp->max_send_wr() +
+                              (options.srq ? 0 : qp->max_recv_wr()));
+  absl::Status s = cq.Reserve(need);
+  if (!s.ok()) return s;
+  std::unique_ptr<QueuePair> q(
+      new QueuePair(std::move(qp), &cq, options, std::move(keepalive)));
+  q->cq_reserved_ = need;
+  return q;
+}
+
+QueuePair::QueuePair(std::unique_ptr<ProviderQp> qp, CompletionQueue* cq,
+                     const QpOptions& options, std::shared_ptr<void> keepalive)
+    : qp_(std::move(qp)),
+      cq_(cq),
+      keepalive_(std::move(keepalive)),
+      options_(options),
+      qp_num_(qp_->qp_num()),
+      sq_capacity_(qp_->max_send_wr()),
+      rq_capacity_(qp_->max_recv_wr()),
+      sq_free_(sq_capacity_),
+      rq_free_(rq_capacity_),
+      max_inline_(std::min(options.max_inline_data, qp_->max_inline_data())),
+      uses_srq_(options.srq != nullptr),
+      drained_(std::make_unique<Event>()),
+      alive_(std::make_shared<QueuePair*>(this)) {}
+
+QueuePair::~QueuePair() {
+  FailWaiters(absl::FailedPreconditionError(
+      absl::StrFormat("QP 0x%x was destroyed", qp_num_)));
+  if (outstanding_ > 0) {
+    SetError("destroyed with operations in flight").IgnoreError();
+    DrainSync([this] { return outstanding_ == 0; });
+  }
+  if (outstanding_ > 0) {
+    // The NIC may still own buffers: never free what it could write to.
+    std::fprintf(stderr,
+                 "coverbs: QP 0x%x destroyed with %llu operations whose flush "
+                 "never arrived; leaking the QP instead of freeing it\n",
+                 qp_num_, static_cast<unsigned long long>(outstanding_));
+    (void)qp_.release();
+  }
+  cq_->Unreserve(cq_reserved_);
+  *alive_ = nullptr;
+}
+
+void QueuePair::OnOpDone() {
+  --outstanding_;
+  cq_->AddInFlight(-1);
+  if (closing_ && outstanding_ == 0) drained_->Set();
+}
+
+void QueuePair::DrainSync(const std::function<bool()>& done) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!done() && std::chrono::steady_clock::now() < deadline) {
+    if (cq_->Poll() == 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+absl::Status QueuePair::SetError(std::string_view reason) {
+  if (in_error_) return absl::OkStatus();
+  in_error_ = true;
+  absl::Status s = qp_->SetError();
+  FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
+      "QP 0x%x was moved to the error state (%s)", qp_num_, reason)));
+  return s;
+}
+
+Task<absl::Status> QueuePair::Close() {
+  closing_ = true;
+  absl::Status s = SetError("closed");
+  if (outstanding_ == 0) co_return s;
+  auto wait = [](Event* e) -> Task<absl::Status> { co_return co_await e->Wait(); };
+  absl::Status w = co_await WithTimeout(wait(drained_.get()), absl::Seconds(30));
+  if (!w.ok()) {
+    co_return absl::DeadlineExceededError(absl::StrFormat(
+        "closing QP 0x%x: %llu operations still outstanding after 30s (no "
+        "flush completion arrived): %s",
+        qp_num_, static_cast<unsigned long long>(outstanding_), w.message()));
+  }
+  co_return s;
+}
+
+void QueuePair::CancelOp(Op* op) {
+  if (op->linked()) {
+    (op->is_recv_ ? recv_waiters_ : send_waiters_).erase(op);
+    op->Fail(absl::CancelledError(absl::StrFormat(
+        "%s on QP 0x%x cancelled while waiting for a queue slot", op->name_,
+        qp_num_)));
+    return;
+  }
+  if (op->posted_ && !op->completed_) {
+    SetError("an operation was cancelled").IgnoreError();
+  }
+}
+
+bool QueuePair::Start(Op* op) {
+  if (!op->early_.ok()) {
+    op->completed_ = true;
+    return false;
+  }
+  auto fail_now = [op](absl::Status s) {
+    op->early_ = std::move(s);
+    op->completed_ = true;
+    return false;
+  };
+  if (in_error_) {
+    return fail_now(absl::FailedPreconditionError(absl::StrFormat(
+        "%s on QP 0x%x: the QP is in the error state", op->name_, qp_num_)));
+  }
+  if (op->is_recv_ && uses_srq_) {
+    return fail_now(absl::InvalidArgumentError(absl::StrFormat(
+        "RECV on QP 0x%x: the QP receives through a shared receive queue; "
+        "post receives there",
+        qp_num_)));
+  }
+  uint32_t cap = op->is_recv_ ? rq_capacity_ : sq_capacity_;
+  if (op->slots_ > cap || op->slots_ == 0) {
+    return fail_now(absl::InvalidArgumentError(absl::StrFormat(
+        "%s on QP 0x%x needs %u work requests; the queue holds %u", op->name_,
+        qp_num_, op->slots_, cap)));
+  }
+  auto& waiters = op->is_recv_ ? recv_waiters_ : send_waiters_;
+  uint32_t free = op->is_recv_ ? rq_free_ : sq_free_;
+  if (!waiters.empty() || free < op->slots_) {
+    waiters.push_back(op);  // back-pressure: posted when slots free up
+    return true;
+  }
+  absl::Status s = PostNow(op);
+  if (!s.ok()) return fail_now(std::move(s));
+  return true;
+}
+
+absl::Status QueuePair::PostNow(Op* op) {
+  uint32_t& free = op->is_recv_ ? rq_free_ : sq_free_;
+  free -= op->slots_;
+  absl::Status s;
+  if (op->is_recv_) {
+    op->rwr_.sg_list = op->sges_.data();
+    op->rwr_.num_sge = static_cast<int>(op->sges_.size());
+    ibv_recv_wr* bad = nullptr;
+    s = qp_->PostRecv(&op->rwr_, &bad);
+  } else if (op->batch_ != nullptr) {
+    auto& wrs = op->batch_->wrs_;
+    auto& sges = op->batch_->sges_;
+    uint64_t id =
+        reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(op));
+    for (size_t i = 0; i < wrs.size(); ++i) {
+      wrs[i].wr_id = id;
+      wrs[i].sg_list = &sges[i];
+      wrs[i].num_sge = 1;
+      wrs[i].send_flags = 0;
+      wrs[i].next = i + 1 < wrs.size() ? &wrs[i + 1] : nullptr;
+    }
+    wrs.back().wr_id = id | 1;
+    wrs.back().send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = nullptr;
+    s = qp_->PostSend(wrs.data(), &bad);
+    if (!s.ok() && bad != nullptr && bad != wrs.data()) {
+      // Part of the list was posted. Those WRs carry this op's address: the
+      // op must outlive their (flush) completions before it can fail.
+      uint32_t posted = static_cast<uint32_t>(bad - wrs.data());
+      ++outstanding_;
+      cq_->AddInFlight(1);
+      SetError("a batch was posted only in part").IgnoreError();
+      DrainSync([op, posted] { return op->nonterminal_seen_ >= posted; });
+      OnOpDone();
+      free += op->slots_;
+      return s;
+    }
+  } else {
+    op->swr_.sg_list = op->sges_.data();
+    op->swr_.num_sge = static_cast<int>(op->sges_.size());
+    ibv_send_wr* bad = nullptr;
+    s = qp_->PostSend(&op->swr_, &bad);
+  }
+  if (!s.ok()) {
+    free += op->slots_;
+    return s;
+  }
+  op->posted_ = true;
+  ++outstanding_;
+  cq_->AddInFlight(1);
+  return absl::OkStatus();
+}
+
+void QueuePair::Release(Op* op) {
+  (op->is_recv_ ? rq_free_ : sq_free_) += op->slots_;
+  const ibv_wc& w = op->first_error_ ? *op->first_error_ : op->wc_;
+  if (w.status != IBV_WC_SUCCESS && !in_error_) {
+    // RC: any failed completion means the QP is now in the error state.
+    in_error_ = true;
+    FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
+        "QP 0x%x is in the error state after %s", qp_num_,
+        WcStatusName(w.status))));
+  }
+  OnOpDone();
+  if (!in_error_) PumpWaiters();
+}
+
+void QueuePair::PumpWaiters() {
+  for (auto* list : {&send_waiters_, &recv_waiters_}) {
+    bool recv = list == &recv_waiters_;
+    while (Op* op = list->front()) {
+      if ((recv ? rq_free_ : sq_free_) < op->slots_) break;
+      list->erase(op);
+      absl::Status s = PostNow(op);
+      if (!s.ok()) op->Fail(std::move(s));
+    }
+  }
+}
+
+void QueuePair::FailWaiters(const absl::Status& s) {
+  for (auto* list : {&send_waiters_, &recv_waiters_}) {
+    while (Op* op = list->pop_front()) op->Fail(s);
+  }
+}
+
+absl::Status QueuePair::PostRecv(RecvHandler* h,
+                                 std::span<const LocalBuffer> bufs) {
+  if (in_error_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "RECV on QP 0x%x: the QP is in the error state", qp_num_));
+  }
+  if (rq_free_ == 0 || !recv_waiters_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "RECV on QP 0x%x: the receive queue (%u) is full", qp_num_,
+        rq_capacity_));
+  }
+  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
+  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
+  ibv_recv_wr wr{};
+  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
+  wr.sg_list = sges.data();
+  wr.num_sge = static_cast<int>(sges.size());
+  ibv_recv_wr* bad = nullptr;
+  absl::Status s = qp_->PostRecv(&wr, &bad);
+  if (!s.ok()) return s;
+  h->qp_ = this;
+  --rq_free_;
+  ++handler_recvs_;
+  ++outstanding_;
+  cq_->AddInFlight(1);
+  return absl::OkStatus();
+}
+
+// --- Operation builders.
+
+QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
+                              SendOptions o) {
+  internal_qp::OpSpec spec;
+  spec.name = o.imm ? "SEND_WITH_IMM" : "SEND";
+  spec.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+  spec.bufs = bufs;
+  spec.imm = o.imm;
+  spec.send_flags = (o.inline_data ? IBV_SEND_INLINE : 0) |
+                    (o.fence ? IBV_SEND_FENCE : 0);
+  if (o.imm && !caps().send_with_imm) {
+    spec.error = absl::UnimplementedError(absl::StrFormat(
+        "SEND_WITH_IMM on QP 0x%x: %s (%s) has no immediate data", qp_num_,
+        caps().device_name, TransportKindName(caps().transport)));
+  }
+  if (o.inline_data) {
+    uint64_t total = 0;
+    for (const LocalBuffer& b : bufs) total += b.length;
+    if (total > max_inline_) {
+      spec.error = absl::InvalidArgumentError(absl::StrFormat(
+          "inline SEND on QP 0x%x: %u bytes exceed the QP's max_inline_data "
+          "of %u",
+          qp_num_, total, max_inline_));
+    }
+  }
+  if (bufs.size() > options_.max_send_sge) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "SEND on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
+        bufs.size(), options_.max_send_sge));
+  }
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Recv(std::span<const LocalBuffer> bufs) {
+  internal_qp::OpSpec spec;
+  spec.name = "RECV";
+  spec.recv = true;
+  spec.bufs = bufs;
+  if (bufs.size() > options_.max_recv_sge) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "RECV on QP 0x%x: %u SGEs exceed max_recv_sge %u", qp_num_,
+        bufs.size(), options_.max_recv_sge));
+  }
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Write(std::span<const LocalBuffer> bufs,
+                               RemoteRegion remote) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_WRITE";
+  spec.opcode = IBV_WR_RDMA_WRITE;
+  spec.bufs = bufs;
+  spec.remote = remote;
+  if (bufs.size() > options_.max_send_sge) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "RDMA_WRITE on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
+        bufs.size(), options_.max_send_sge));
+  }
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::WriteWithImm(LocalBuffer buf, RemoteRegion remote,
+                                      uint32_t imm) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_WRITE_WITH_IMM";
+  spec.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+  spec.bufs = std::span<const LocalBuffer>(&buf, 1);
+  spec.remote = remote;
+  spec.imm = imm;
+  if (!caps().write_with_imm) {
+    spec.error = absl::UnimplementedError(absl::StrFormat(
+        "RDMA_WRITE_WITH_IMM on QP 0x%x: %s (%s) does not support it",
+        qp_num_, caps().device_name, TransportKindName(caps().transport)));
+  }
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
+                              RemoteRegion remote) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_READ";
+  spec.opcode = IBV_WR_RDMA_READ;
+  spec.bufs = bufs;
+  spec.remote = remote;
+  if (bufs.size() > options_.max_send_sge) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "RDMA_READ on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
+        bufs.size(), options_.max_send_sge));
+  }
+  return Op(this, spec);
+}
+
+namespace {
+absl::Status AtomicPrecheck(const DeviceCaps& caps, uint32_t qpn,
+                            const char* name, LocalBuffer result,
+                            RemoteRegion remote) {
+  if (!caps.atomics) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s on QP 0x%x: %s does not support atomic operations", name, qpn,
+        caps.device_name));
+  }
+  if (result.length != 8) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s on QP 0x%x: the result buffer must be 8 bytes, not %u", name, qpn,
+        result.length));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+QueuePair::Op QueuePair::CompareSwap(LocalBuffer result, RemoteRegion remote,
+                                     uint64_t compare, uint64_t swap) {
+  internal_qp::OpSpec spec;
+  spec.name = "ATOMIC_CMP_AND_SWP";
+  spec.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+  spec.bufs = std::span<const LocalBuffer>(&result, 1);
+  spec.remote = remote;
+  spec.compare_add = compare;
+  spec.swap = swap;
+  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::FetchAdd(LocalBuffer result, RemoteRegion remote,
+                                  uint64_t add) {
+  internal_qp::OpSpec spec;
+  spec.name = "ATOMIC_FETCH_AND_ADD";
+  spec.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+  spec.bufs = std::span<const LocalBuffer>(&result, 1);
+  spec.remote = remote;
+  spec.compare_add = add;
+  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
+  internal_qp::OpSpec spec;
+  spec.name = "batch";
+  spec.batch = &batch;
+  if (batch.size() == 0) {
+    spec.error = absl::InvalidArgumentError("PostBatch: the batch is empty");
+  }
+  for (const ibv_send_wr& wr : batch.wrs_) {
+    bool imm = wr.opcode == IBV_WR_SEND_WITH_IMM ||
+               wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+    if (imm && ((wr.opcode == IBV_WR_SEND_WITH_IMM && !caps().send_with_imm) ||
+                (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM &&
+                 !caps().write_with_imm))) {
+      spec.error = absl::UnimplementedError(absl::StrFormat(
+          "batch on QP 0x%x: %s does not support %s", qp_num_,
+          caps().device_name, WrOpcodeName(wr.opcode)));
+    }
+  }
+  return Op(this, spec);
+}
+
+}  // namespace coverbs::transport

@@ -1,0 +1,324 @@
+// QueuePair: an RC queue pair whose operations are awaitables.
+//
+//   absl::StatusOr<WorkCompletion> wc = co_await qp.Send(buf);
+//   co_await qp.Write(local, remote);          // RDMA WRITE
+//   co_await qp.Read(local, remote);           // RDMA READ
+//   co_await qp.FetchAdd(result8, remote, 1);  // atomics, if caps().atomics
+//
+// Contract:
+//  - Every operation yields absl::StatusOr<WorkCompletion>. A failed
+//    completion becomes a Status naming the operation, the QP and
+//    ibv_wc_status_str; transport::WcStatusOf() gives the exact status.
+//  - The operation state (WR, SGEs, awaiting coroutine) lives in the
+//    awaiter, i.e. in the coroutine frame; wr_id points at it. Buffers named
+//    by an operation stay owned by it until its completion arrived: the
+//    coroutine is not resumed before, whatever happens (flush included).
+//  - Send-queue slots are accounted exactly. An operation that does not fit
+//    waits (FIFO) until completions free slots; it never fails because the
+//    queue is full. The same holds for the receive queue and for CQ space.
+//  - Selective signaling: PostBatch() posts a list of WRs in one call with
+//    only the last one signaled; its completion retires the whole batch.
+//  - When the QP enters the error state, every outstanding operation
+//    completes with IBV_WC_WR_FLUSH_ERR (Aborted), in order; operations
+//    waiting for slots fail with FailedPrecondition.
+//  - Cancellation (the awaiting coroutine's stop token): a posted work
+//    request cannot be taken back from a NIC, so cancelling an operation
+//    moves the QP to the error state; the operation then completes (flushed)
+//    and yields Cancelled. Operations still waiting for a slot are simply
+//    withdrawn. Either way the buffer is free once the coroutine resumes.
+//  - Close() moves the QP to error and waits until every operation has
+//    completed; the destructor does the same synchronously (bounded) if
+//    Close() was not awaited, so the NIC never touches freed memory.
+//  - Single reactor: a QueuePair is used from the reactor of its CQ.
+#ifndef COVERBS_TRANSPORT_QUEUE_PAIR_H_
+#define COVERBS_TRANSPORT_QUEUE_PAIR_H_
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <coroutine>
+#include <functional>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/inlined_vector.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/intrusive.h"
+#include "core/reactor.h"
+#include "core/sync.h"
+#include "core/task.h"
+#include "transport/completion_queue.h"
+#include "transport/device.h"
+#include "transport/errors.h"
+#include "transport/provider.h"
+
+namespace coverbs::transport {
+
+// What a successful operation reports.
+struct WorkCompletion {
+  ibv_wc_opcode opcode = IBV_WC_SEND;
+  uint32_t byte_len = 0;
+  // Immediate data in host byte order (SEND_WITH_IMM, WRITE_WITH_IMM).
+  std::optional<uint32_t> imm;
+  uint32_t qp_num = 0;
+};
+
+struct QpOptions {
+  uint32_t max_send_wr = 256;
+  uint32_t max_recv_wr = 256;
+  uint32_t max_send_sge = 4;
+  uint32_t max_recv_sge = 4;
+  uint32_t max_inline_data = 64;  // clamped to the device's
+  uint8_t rnr_retry = 7;          // 7 = retry forever
+  uint8_t min_rnr_timer = 12;
+  uint8_t retry_cnt = 7;
+  uint8_t timeout = 14;
+  ProviderSrq* srq = nullptr;  // receive through a shared receive queue
+};
+
+struct SendOptions {
+  // Copy the payload into the WR at post time (must fit max_inline_data).
+  bool inline_data = false;
+  std::optional<uint32_t> imm;  // host byte order
+  bool fence = false;
+};
+
+class QueuePair;
+class SendBatch;
+
+namespace internal_qp {
+
+constexpr int kInlineSges = 4;
+
+// Everything needed to build one work request (or a batch).
+struct OpSpec {
+  const char* name = "WR";
+  bool recv = false;
+  ibv_wr_opcode opcode = IBV_WR_SEND;
+  std::span<const LocalBuffer> bufs;
+  RemoteRegion remote;
+  uint64_t compare_add = 0;
+  uint64_t swap = 0;
+  std::optional<uint32_t> imm;
+  unsigned send_flags = 0;
+  SendBatch* batch = nullptr;
+  absl::Status error;  // set when the request is invalid: fails unposted
+};
+
+// State of one posted operation; lives in the awaiting coroutine's frame.
+// Neither copied nor moved: QueuePair methods return it as a prvalue.
+class OpBase : public WorkRequest,
+               public coverbs::internal::ListNode<OpBase> {
+ public:
+  OpBase(QueuePair* qp, const OpSpec& spec);
+  OpBase(const OpBase&) = delete;
+  ~OpBase();
+
+  bool await_ready() const noexcept { return false; }
+  template <typename P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    return Suspend(h, coverbs::internal::StopTokenOf(h));
+  }
+  absl::StatusOr<WorkCompletion> await_resume();
+
+  void OnCompletion(const ibv_wc& wc) override;
+
+ protected:
+  friend class coverbs::transport::QueuePair;
+  bool Suspend(std::coroutine_handle<> h, std::stop_token token);
+  void Fail(absl::Status s);  // completes without a posted WR
+  void Resume();
+
+  struct Canceller {
+    OpBase* op;
+    void operator()() const noexcept;
+  };
+
+  QueuePair* qp_;
+  bool is_recv_;
+  bool destroying_ = false;
+  // Work request (send or recv) and its SGEs.
+  ibv_send_wr swr_{};
+  ibv_recv_wr rwr_{};
+  absl::InlinedVector<ibv_sge, kInlineSges> sges_;
+  const char* name_ = "WR";
+  uint32_t slots_ = 1;      // SQ/RQ slots this op holds (batches: >1)
+  uint32_t qp_num_ = 0;
+  // Outcome.
+  ibv_wc wc_{};
+  bool completed_ = false;
+  bool posted_ = false;
+  std::atomic<bool> cancelled_{false};
+  absl::Status early_;  // failed before posting
+  std::coroutine_handle<> waiter_;
+  Reactor* reactor_ = nullptr;
+  std::optional<std::stop_callback<Canceller>> cb_;
+  // Batches: the first error among the batch's completions.
+  std::optional<ibv_wc> first_error_;
+  uint32_t nonterminal_seen_ = 0;
+  SendBatch* batch_ = nullptr;
+};
+
+}  // namespace internal_qp
+
+// A receive whose completion goes to a handler instead of a coroutine (the
+// messaging layer keeps a ring of these posted). Must stay alive until its
+// completion was delivered (or the QP was closed).
+class RecvHandler : public WorkRequest {
+ public:
+  virtual void OnRecv(const ibv_wc& wc) = 0;
+
+ protected:
+  ~RecvHandler() = default;
+
+ private:
+  friend class QueuePair;
+  void OnCompletion(const ibv_wc& wc) final;
+  QueuePair* qp_ = nullptr;
+};
+
+// A list of send-queue work requests posted with one post call and one
+// signaled completion (the last). Build it, then co_await qp.PostBatch(b).
+class SendBatch {
+ public:
+  // Each Add* copies the SGE; the memory must stay valid until the batch
+  // completes.
+  void AddSend(LocalBuffer buf, std::optional<uint32_t> imm = std::nullopt);
+  void AddWrite(LocalBuffer buf, RemoteRegion remote,
+                std::optional<uint32_t> imm = std::nullopt);
+  void AddRead(LocalBuffer buf, RemoteRegion remote);
+  size_t size() const { return wrs_.size(); }
+  void Clear() {
+    wrs_.clear();
+    sges_.clear();
+  }
+
+ private:
+  friend class QueuePair;
+  std::vector<ibv_send_wr> wrs_;
+  std::vector<ibv_sge> sges_;
+};
+
+class QueuePair {
+ public:
+  using Op = internal_qp::OpBase;
+
+  // A connected pair for tests and benchmarks (no cm layer): the provider
+  // connects them (soft: a loopback TCP connection; verbs: rdma_cm on the
+  // test address). On iWARP the `b` side must send first.
+  static absl::StatusOr<
+      std::pair<std::unique_ptr<QueuePair>, std::unique_ptr<QueuePair>>>
+  CreatePair(ProtectionDomain& pd_a, CompletionQueue& cq_a,
+             ProtectionDomain& pd_b, CompletionQueue& cq_b,
+             const QpOptions& options = {});
+
+  // Adopts a connected provider QP (the cm layer builds those).
+  static absl::StatusOr<std::unique_ptr<QueuePair>> Adopt(
+      std::unique_ptr<ProviderQp> qp, CompletionQueue& cq,
+      const QpOptions& options, std::shared_ptr<void> keepalive = nullptr);
+
+  ~QueuePair();
+  QueuePair(const QueuePair&) = delete;
+
+  // --- Two-sided.
+  Op Send(std::span<const LocalBuffer> bufs, SendOptions o = {});
+  Op Send(LocalBuffer buf, SendOptions o = {}) {
+    return Send(std::span<const LocalBuffer>(&buf, 1), o);
+  }
+  Op Recv(std::span<const LocalBuffer> bufs);
+  Op Recv(LocalBuffer buf) { return Recv(std::span<const LocalBuffer>(&buf, 1)); }
+
+  // --- One-sided.
+  Op Write(std::span<const LocalBuffer> bufs, RemoteRegion remote);
+  Op Write(LocalBuffer buf, RemoteRegion remote) {
+    return Write(std::span<const LocalBuffer>(&buf, 1), remote);
+  }
+  // Consumes a receive on the peer, which completes with the immediate.
+  Op WriteWithImm(LocalBuffer buf, RemoteRegion remote, uint32_t imm);
+  Op Read(std::span<const LocalBuffer> bufs, RemoteRegion remote);
+  Op Read(LocalBuffer buf, RemoteRegion remote) {
+    return Read(std::span<const LocalBuffer>(&buf, 1), remote);
+  }
+  // 8-byte atomics on an 8-byte aligned remote address; the original remote
+  // value lands in `result` (8 bytes, registered with LOCAL_WRITE).
+  Op CompareSwap(LocalBuffer result, RemoteRegion remote, uint64_t compare,
+                 uint64_t swap);
+  Op FetchAdd(LocalBuffer result, RemoteRegion remote, uint64_t add);
+
+  // --- Selective signaling: one post call, one completion for the batch.
+  // Yields the last WR's completion, or the first error in the batch.
+  Op PostBatch(SendBatch& batch);
+
+  // --- Receives that complete into a handler instead of a coroutine (the
+  // messaging layer pre-posts its receive ring this way). `wr` must stay
+  // alive until its completion was delivered.
+  // Fails with ResourceExhausted when the receive queue is full.
+  absl::Status PostRecv(RecvHandler* h, std::span<const LocalBuffer> bufs);
+
+  // Moves the QP to the error state (flushes everything outstanding).
+  absl::Status SetError(std::string_view reason = "requested");
+  // SetError, then wait until every outstanding operation completed.
+  Task<absl::Status> Close();
+
+  uint32_t qp_num() const { return qp_num_; }
+  const DeviceCaps& caps() const { return cq_->device()->caps(); }
+  CompletionQueue* cq() const { return cq_; }
+  ProviderQp* provider() const { return qp_.get(); }
+  bool in_error() const { return in_error_; }
+  uint32_t send_capacity() const { return sq_capacity_; }
+  uint32_t send_slots_free() const { return sq_free_; }
+  uint32_t recv_slots_free() const { return rq_free_; }
+  // Operations posted and not yet completed (any queue).
+  uint64_t outstanding() const { return outstanding_; }
+  uint32_t max_inline_data() const { return max_inline_; }
+
+ private:
+  friend class internal_qp::OpBase;
+  QueuePair(std::unique_ptr<ProviderQp> qp, CompletionQueue* cq,
+            const QpOptions& options, std::shared_ptr<void> keepalive);
+
+  friend class RecvHandler;
+  // Posts `op` now if slots allow, else queues it. Returns false if the op
+  // completed synchronously (error) and the caller must not suspend.
+  bool Start(Op* op);
+  absl::Status PostNow(Op* op);
+  void CancelOp(Op* op);
+  void Release(Op* op);
+  void PumpWaiters();
+  void FailWaiters(const absl::Status& s);
+  void OnOpDone();
+  // Polls the CQ synchronously (bounded) until `done`; for destruction
+  // paths that cannot suspend.
+  void DrainSync(const std::function<bool()>& done);
+
+  std::unique_ptr<ProviderQp> qp_;
+  CompletionQueue* cq_;
+  std::shared_ptr<void> keepalive_;
+  QpOptions options_;
+  uint32_t qp_num_;
+  uint32_t sq_capacity_, rq_capacity_;
+  uint32_t sq_free_, rq_free_;
+  uint32_t max_inline_;
+  bool uses_srq_;
+  int cq_reserved_ = 0;
+  bool in_error_ = false;
+  uint64_t outstanding_ = 0;
+  coverbs::internal::IntrusiveList<Op> send_waiters_;
+  coverbs::internal::IntrusiveList<Op> recv_waiters_;
+  uint32_t handler_recvs_ = 0;
+  bool closing_ = false;
+  std::unique_ptr<Event> drained_;
+  // Lets a cross-thread cancellation find out whether the QP still exists.
+  std::shared_ptr<QueuePair*> alive_;
+};
+
+}  // namespace coverbs::transport
+
+#endif  // COVERBS_TRANSPORT_QUEUE_PAIR_H_
