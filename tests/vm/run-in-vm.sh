@@ -77,9 +77,9 @@ case ${VM_ACCEL:-auto} in
 esac
 
 # ---------------------------------------------------------------- run dir
-# Per-boot directory, shared writable with the guest. Under TMPDIR because in a
-# Bazel sandbox that is writable while the cache dir is not.
-RUN=$(mktemp -d "${TMPDIR:-/tmp}/coverbs-vm.XXXXXX") || { echo "run-in-vm: cannot create a run dir" >&2; exit 125; }
+# Per-boot directory, shared writable with the guest. Under TMPDIR (else Bazel's
+# TEST_TMPDIR): in a Bazel sandbox those are writable, the cache dir is not.
+RUN=$(mktemp -d "${TMPDIR:-${TEST_TMPDIR:-/tmp}}/coverbs-vm.XXXXXX") || { echo "run-in-vm: cannot create a run dir" >&2; exit 125; }
 RUN=$(readlink -f "$RUN")
 QEMU_PID= CAT_PID=
 cleanup() {

@@ -53,6 +53,18 @@ if [ ${#RW[@]} -gt 0 ]; then
                       awk '{ for (p in keep) if (index($0 "/", p "/") == 1) next; keep[$0]; print }')
 fi
 export VM_RW="${VM_RW:-} ${RW[*]}"
+# The guest sees the host's / except /tmp, /var/tmp, /run and /dev/shm (tmpfs
+# there). A workspace or a Bazel output base under one of those would leave the
+# runfiles symlinks dangling in the guest: share them read-only.
+masked() { case "$1/" in /tmp/*|/var/tmp/*|/run/*|/dev/shm/*) return 0 ;; esac; return 1; }
+WS=$(cd "$HERE/../.." && pwd -P)
+masked "$WS" && VM_RO="${VM_RO:-} $WS"
+BIN=$(readlink -f "$(command -v "$1" 2>/dev/null || echo "$1")")
+if masked "$BIN"; then
+    case $BIN in */execroot/*) VM_RO="${VM_RO:-} ${BIN%%/execroot/*}/execroot" ;;
+                 *) VM_RO="${VM_RO:-} $(dirname "$BIN")" ;; esac
+fi
+export VM_RO="${VM_RO:-}"
 # XML_OUTPUT_FILE is what Bazel's GTEST_OUTPUT points at; pass it along.
 export VM_ENV="${VM_ENV:-} XML_OUTPUT_FILE"
 if [ -n "${TEST_UNDECLARED_OUTPUTS_DIR:-}" ] && [ -z "${VM_LOGDIR:-}" ]; then
