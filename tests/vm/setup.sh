@@ -15,6 +15,7 @@
 # Env: COVERBS_VM_BASE   cache dir (default /var/tmp/coverbs-vm)
 #      COVERBS_VM_KVER   force a kernel version, e.g. 6.1.0-56-amd64
 #      COVERBS_VM_NO_APT=1  never call apt-get (fail instead)
+#      COVERBS_VM_HOST_INITRD=1  let apt build a host initrd for the installed kernel
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
@@ -44,6 +45,14 @@ apt_install() {
     [ "${COVERBS_VM_NO_APT:-0}" = 1 ] && die "missing packages: $* (COVERBS_VM_NO_APT=1)"
     [ "$(id -u)" = 0 ] || die "missing packages: $* -- run as root, or tools/install-deps.sh --vm"
     log "apt-get install $*"
+    # Installing linux-image-* normally builds a host initrd for it (update-initramfs,
+    # ~1.5 min, twice with the trigger) that the VM never uses: our guest boots
+    # with its own initramfs. Skip it, but only where the host does not boot
+    # kernels from /boot (container, CI VM with an external kernel): on a real
+    # Debian host a new kernel without an initrd could become unbootable.
+    if [ ! -e "/boot/vmlinuz-$(uname -r)" ] && [ "${COVERBS_VM_HOST_INITRD:-0}" != 1 ]; then
+        export INITRD=No
+    fi
     # A stale or empty package index is the usual failure: refresh once, retry.
     apt-get install -y -q --no-install-recommends "$@" ||
         { apt-get update -q && apt-get install -y -q --no-install-recommends "$@"; }
