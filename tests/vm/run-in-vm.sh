@@ -19,14 +19,16 @@
 #                            covers those with tmpfs; the cwd is added by itself)
 #   VM_ENV="NAME ..."        extra env vars to forward (see below for the default set)
 #   VM_LOGDIR=dir            copy console.log, dmesg.txt, rdma-setup.log there
-#   VM_KEEP=1                keep the run dir; VM_CONSOLE=1 kernel console on stderr
+#   VM_KEEP=1                keep the run dir; VM_CONSOLE=1 kernel console on stdout
 #   VM_VERBOSE=1             show the RDMA setup log; VM_QUIET=1 no timing line
 #   COVERBS_VM_BASE          cache dir of setup.sh (default /var/tmp/coverbs-vm)
 #   COVERBS_VM_QEMU          qemu binary (default qemu-system-x86_64 from PATH)
 #
-# Forwarded into the guest: VM_*, COVERBS_*, TEST_*, GTEST_*, RDMA_*, RUNFILES_*,
-# *SAN_OPTIONS, LD_LIBRARY_PATH, TZ, TMPDIR (only if inside a VM_RW dir) and
-# VM_ENV. Everything else gets guest defaults (PATH, HOME=/tmp, LANG=C.UTF-8).
+# Forwarded into the guest: PATH, VM_*, COVERBS_*, TEST_*, GTEST_*, RDMA_*,
+# RUNFILES_*, *SAN_OPTIONS, LD_LIBRARY_PATH, TZ, TMPDIR (only if inside a VM_RW
+# dir) and VM_ENV. Everything else gets guest defaults (HOME=/tmp, LANG=C.UTF-8).
+# The guest sets COVERBS_VM=1, and with VM_RDMA the COVERBS_VM_* variables of
+# vm-rdma-setup.sh.
 #
 # Exit status: the command's own, or
 #   77  the harness is unavailable (no qemu, setup not run or stale): nothing booted
@@ -134,6 +136,9 @@ SHARELIST=
         esac
         printf 'export %s=%q\n' "$v" "${!v}"
     done
+    # The guest sees the host's files, so the host PATH finds the same tools;
+    # sbin dirs are appended for the guest-side setup (modprobe, ip, rdma).
+    printf 'export PATH=%q\n' "$PATH:/usr/local/sbin:/usr/sbin:/sbin"
     echo "export COVERBS_VM=1"
 } > "$RUN/env"
 
