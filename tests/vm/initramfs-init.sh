@@ -31,7 +31,7 @@ for m in $(cat /lib/modules/order); do
     insmod "/lib/modules/$m" || fail "insmod $m failed"
 done
 
-RUN= SHARES= MSIZE=524288
+RUN='' SHARES='' MSIZE=524288
 for kv in $(cat /proc/cmdline); do
     case "$kv" in
         coverbs.run=*) RUN=${kv#*=} ;;
@@ -77,5 +77,6 @@ mkdir -p $R/run/coverbs-vm
 cp /lib/modules/siw.ko.extra $R/run/coverbs-vm/siw.ko
 
 umount /dev /sys /proc 2>/dev/null
+# shellcheck disable=SC2093  # the line after only runs if switch_root fails
 exec switch_root $R /bin/bash "$RUN/guest-stage2.sh" "$RUN"
 fail "switch_root failed"

@@ -83,7 +83,7 @@ esac
 # TEST_TMPDIR): in a Bazel sandbox those are writable, the cache dir is not.
 RUN=$(mktemp -d "${TMPDIR:-${TEST_TMPDIR:-/tmp}}/coverbs-vm.XXXXXX") || { echo "run-in-vm: cannot create a run dir" >&2; exit 125; }
 RUN=$(readlink -f "$RUN")
-QEMU_PID= CAT_PID=
+QEMU_PID='' CAT_PID=''
 cleanup() {
     [ -n "$QEMU_PID" ] && kill -TERM "$QEMU_PID" 2>/dev/null
     [ "${VM_KEEP:-0}" = 1 ] || rm -rf "$RUN"
@@ -146,6 +146,7 @@ APPEND="console=ttyS0 panic=-1 quiet loglevel=4 mitigations=off coverbs.run=$RUN
 [ -n "$SHARELIST" ] && APPEND+=" coverbs.shares=$SHARELIST"
 [ ${#APPEND} -lt 2000 ] || { echo "run-in-vm: kernel command line too long (shared paths too long)" >&2; exit 2; }
 
+# shellcheck disable=SC2054  # commas belong to qemu option values
 if [ "${VM_CONSOLE:-0}" = 1 ]; then CONSOLE=(-chardev stdio,id=con,signal=off -serial chardev:con)
 else CONSOLE=(-serial "file:$RUN/console.log"); fi
 

@@ -59,7 +59,7 @@ apt_install() {
 }
 
 mapfile -t PKGS < <(grep -v '^[[:space:]]*$' "$HERE/packages.txt")
-MISSING=($(missing "${PKGS[@]}"))
+mapfile -t MISSING < <(missing "${PKGS[@]}")
 [ ${#MISSING[@]} -eq 0 ] || apt_install "${MISSING[@]}"
 
 # ---------------------------------------------------------------- kernel
@@ -88,7 +88,7 @@ SIW=$KDIR/siw.ko
 SIW_KEY="$KVER $KPKG_VER"
 if [ ! -s "$SIW" ] || [ "$(cat "$KDIR/siw.key" 2>/dev/null)" != "$SIW_KEY" ]; then
     t0=$SECONDS
-    MISSING=($(missing "linux-headers-$KVER"))
+    mapfile -t MISSING < <(missing "linux-headers-$KVER")
     [ ${#MISSING[@]} -eq 0 ] || apt_install "${MISSING[@]}"
     SRCPKG=linux-source-$(echo "$KVER" | cut -d. -f1,2)      # 6.1.0-56-amd64 -> 6.1
     WORK=$(mktemp -d "$BASE/siw-build.XXXXXX")

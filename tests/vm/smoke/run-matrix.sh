@@ -16,7 +16,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd -P)
 g++ -std=c++20 -O2 -Wall -Wextra "$HERE/verbs_smoke.cc" -o "$OUT/verbs_smoke" -libverbs -lrdmacm -pthread ||
     { echo "run-matrix: building verbs_smoke failed" >&2; exit 1; }
 # run-in-vm.sh shares the cwd with the guest when it lies under /tmp & co.
-cd "$OUT"
+cd "$OUT" || exit 1
 
 fails=0
 for combo in ${MATRIX:-rxe/dummy rxe/veth siw/dummy siw/veth}; do
