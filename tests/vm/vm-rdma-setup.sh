@@ -1,0 +1,142 @@
+#!/bin/bash
+# tests/vm/vm-rdma-setup.sh <rxe|siw> <dummy|veth|lo> [ENVFILE]  -- runs INSIDE the guest
+#
+# Loads the kernel RDMA core and one software provider, gives it a netdev with
+# an IPv4 address and writes `export COVERBS_VM_*=...` lines to ENVFILE (stdout
+# if none) describing the result. guest-stage2.sh runs it when VM_RDMA is set.
+#
+# Netdev choices and why:
+#   dummy  dummy0 with 10.11.0.1 and 10.11.0.2, one RDMA device. Server and
+#          client share the device; traffic is loopback inside the provider.
+#   veth   veth0=10.12.0.1 <-> veth1=10.12.0.2 in ONE namespace, one RDMA device
+#          on each end, policy routing so packets really cross the pair.
+#          Separate namespaces do not work on 6.1: rxe is not netns-aware
+#          (connections time out) and siw's listen fails with EADDRINUSE.
+#   lo     127.0.0.1 only. rdma_cm does not work there (siw: zero GID; rxe:
+#          rdma_resolve_route ENODEV); only non-CM verbs on rxe. Kept for probing.
+#
+# Every process costs 60-100 ms under TCG, so this script batches (modprobe -a,
+# ip -batch) and polls sysfs with shell builtins.
+set -euo pipefail
+TYPE=${1:?usage: vm-rdma-setup.sh rxe|siw dummy|veth|lo [envfile]}
+ND=${2:-dummy}
+ENVFILE=${3:-/dev/stdout}
+SIW_KO=${COVERBS_VM_SIW_KO:-/run/coverbs-vm/siw.ko}   # put there by the initramfs
+
+ulimit -l unlimited
+sysctl_w() { echo "$2" > "/proc/sys/${1//.//}"; }     # no procps dependency
+
+case $ND in
+    dummy) NETIF_A=dummy0 NETIF_B=dummy0 ADDR_A=10.11.0.1 ADDR_B=10.11.0.2 ;;
+    veth)  NETIF_A=veth0 NETIF_B=veth1 ADDR_A=10.12.0.1 ADDR_B=10.12.0.2 ;;
+    lo)    NETIF_A=lo NETIF_B=lo ADDR_A=127.0.0.1 ADDR_B=127.0.0.1 ;;
+    *) echo "vm-rdma-setup: unknown netdev kind '$ND' (dummy|veth|lo)" >&2; exit 2 ;;
+esac
+
+# rdma_ucm pulls in rdma_cm, iw_cm and ib_cm.
+MODS=(ib_uverbs rdma_ucm)
+[ "$ND" = veth ] && MODS+=(veth)
+case $TYPE in
+    rxe) modprobe -a "${MODS[@]}" rdma_rxe ;;
+    siw) # Debian builds no siw; setup.sh compiled this one out of tree, and
+         # insmod does not resolve dependencies: load them first.
+         modprobe -a "${MODS[@]}" libcrc32c
+         modprobe crc32c_generic 2>/dev/null || true
+         grep -q '^siw ' /proc/modules || insmod "$SIW_KO" ;;
+    *) echo "vm-rdma-setup: unknown provider '$TYPE' (rxe|siw)" >&2; exit 2 ;;
+esac
+
+case $ND in
+    dummy)
+        # Without numdummies=0 the module creates its own dummy0 first.
+        modprobe dummy numdummies=0
+        ip -batch - <<EOF
+link add dummy0 type dummy
+addr add $ADDR_A/24 dev dummy0
+addr add $ADDR_B/24 dev dummy0
+link set dummy0 up
+EOF
+        ;;
+    veth)
+        # Both addresses are local, so by default the kernel would deliver
+        # A<->B traffic over lo and the veth pair would carry nothing. Move the
+        # "local" table behind two rules that send locally generated traffic for
+        # A out of veth1 and for B out of veth0; the receiving side must then
+        # accept packets whose source is one of its own addresses.
+        # ARP works across this too, but costs the first rdma_cm connection ~2 s
+        # of address-resolution retries: fixed MACs and static neighbours instead.
+        ip -batch - <<EOF
+link add veth0 address 02:00:0a:0c:00:01 type veth peer name veth1 address 02:00:0a:0c:00:02
+addr add $ADDR_A/24 dev veth0
+addr add $ADDR_B/24 dev veth1
+link set veth0 up
+link set veth1 up
+rule add pref 100 lookup local
+rule del pref 0 lookup local
+rule add pref 10 iif lo to $ADDR_A lookup 101
+rule add pref 11 iif lo to $ADDR_B lookup 102
+route add $ADDR_A dev veth1 src $ADDR_B table 101
+route add $ADDR_B dev veth0 src $ADDR_A table 102
+neigh replace $ADDR_A lladdr 02:00:0a:0c:00:01 dev veth1 nud permanent
+neigh replace $ADDR_B lladdr 02:00:0a:0c:00:02 dev veth0 nud permanent
+EOF
+        for k in all default veth0 veth1; do
+            sysctl_w net.ipv4.conf.$k.accept_local 1
+            sysctl_w net.ipv4.conf.$k.rp_filter 0
+        done ;;
+    lo) ip link set lo up ;;
+esac
+
+DEV_A=${TYPE}0
+rdma link add "$DEV_A" type "$TYPE" netdev "$NETIF_A"
+if [ "$NETIF_B" = "$NETIF_A" ]; then DEV_B=$DEV_A
+else DEV_B=${TYPE}1; rdma link add "$DEV_B" type "$TYPE" netdev "$NETIF_B"; fi
+
+port_active() {
+    local s=
+    read -r s < "/sys/class/infiniband/$1/ports/1/state" 2>/dev/null || true
+    [[ $s == *ACTIVE* ]]
+}
+# Index of the IPv4-mapped GID (::ffff:a.b.c.d): RoCE verbs without rdma_cm
+# must address the peer through it (ibv_rc_pingpong -g, perftest -x). Those sit
+# at the low indices; siw has a single MAC-based GID at index 0.
+ipv4_gid_index() {  # dev addr
+    local want i g
+    printf -v want '0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x' ${2//./ }
+    for ((i = 0; i < 16; i++)); do
+        read -r g < "/sys/class/infiniband/$1/ports/1/gids/$i" 2>/dev/null || return 1
+        [ "$g" = "$want" ] && { echo "$i"; return 0; }
+    done
+    return 1
+}
+need_gid() { [ "$TYPE" = rxe ] && [ "$ND" != lo ]; }
+# Port state and the GID table follow the netdev asynchronously.
+GID_A=0 GID_B=0
+for ((try = 0; try < 100; try++)); do
+    if port_active "$DEV_A" && port_active "$DEV_B"; then
+        need_gid || break
+        GID_A=$(ipv4_gid_index "$DEV_A" "$ADDR_A") && GID_B=$(ipv4_gid_index "$DEV_B" "$ADDR_B") && break
+    fi
+    sleep 0.05
+done
+port_active "$DEV_A" && port_active "$DEV_B" ||
+    { echo "vm-rdma-setup: ports of $DEV_A/$DEV_B not ACTIVE" >&2; rdma link show >&2; exit 1; }
+if need_gid && { [ -z "$GID_A" ] || [ -z "$GID_B" ]; }; then
+    echo "vm-rdma-setup: no IPv4 GID for $ADDR_A/$ADDR_B on $DEV_A/$DEV_B" >&2; exit 1
+fi
+
+rdma link show
+ip -brief addr show
+
+cat > "$ENVFILE" <<EOF
+export COVERBS_VM_RDMA=$TYPE
+export COVERBS_VM_NETDEV=$ND
+export COVERBS_VM_DEV=$DEV_A
+export COVERBS_VM_DEV_B=$DEV_B
+export COVERBS_VM_NETIF_A=$NETIF_A
+export COVERBS_VM_NETIF_B=$NETIF_B
+export COVERBS_VM_ADDR_A=$ADDR_A
+export COVERBS_VM_ADDR_B=$ADDR_B
+export COVERBS_VM_GID_INDEX_A=$GID_A
+export COVERBS_VM_GID_INDEX_B=$GID_B
+EOF

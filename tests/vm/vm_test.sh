@@ -1,0 +1,79 @@
+#!/bin/bash
+# tests/vm/vm_test.sh <rxe|siw> <dummy|veth> <binary> [args...]
+#
+# Runs a test binary inside the VM with a kernel soft-RDMA device, for use as a
+# Bazel sh_test, e.g.
+#   sh_test(name = "foo_rxe_test", srcs = ["//tests/vm:vm_test.sh"],
+#           args = ["rxe", "dummy", "$(location :foo_test)"],
+#           data = [":foo_test", "//tests/vm:harness"], tags = ["vm", "exclusive"])
+# The binary sees COVERBS_PROVIDER=verbs plus the COVERBS_VM_* variables of
+# vm-rdma-setup.sh (device, addresses), and GTEST_*/TEST_* from Bazel.
+# $TEST_TMPDIR, $TEST_UNDECLARED_OUTPUTS_DIR and the test log dir (test.xml,
+# premature-exit and shard-status files) are writable in the guest; the guest's
+# console log and dmesg land in $TEST_UNDECLARED_OUTPUTS_DIR/vm/.
+#
+# Exit status:
+#   0     the binary passed
+#   77    SKIPPED-BUT-FAILED: the VM harness cannot run here (no qemu, no kernel,
+#         tests/vm/setup.sh not run or stale). Nothing ran; the reason is printed.
+#         Bazel shows this as a failure on purpose: a missing harness must not
+#         look like a pass. Run tests/vm/setup.sh, or exclude the "vm" tag.
+#   124   the VM timed out (VM_TIMEOUT, defaults to Bazel's TEST_TIMEOUT - 10 s)
+#   125   the VM itself failed (did not boot, crashed, RDMA setup failed)
+#   other the binary's own exit status
+set -uo pipefail
+HERE=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
+
+usage() { echo "usage: vm_test.sh <rxe|siw> <dummy|veth|lo> <binary> [args...]" >&2; exit 2; }
+[ $# -ge 3 ] || usage
+case $1 in rxe|siw) ;; *) usage ;; esac
+case $2 in dummy|veth|lo) ;; *) usage ;; esac
+export VM_RDMA=$1 VM_NETDEV=$2
+shift 2
+[ -f "$1" ] || command -v "$1" >/dev/null || { echo "vm_test.sh: test binary '$1' not found (cwd $PWD)" >&2; exit 2; }
+
+# Preflight separately so that 77 can only mean "harness unavailable", never
+# the binary's own status.
+if ! msg=$("$HERE/run-in-vm.sh" --check 2>&1); then
+    echo "vm_test.sh: SKIPPED (reported as failure, exit 77): $msg" >&2
+    exit 77
+fi
+
+export COVERBS_PROVIDER=verbs
+RW=()
+add_rw() { [ -n "${1:-}" ] && [ -d "$1" ] && RW+=("$1"); }
+add_rw "${TEST_TMPDIR:-}"
+add_rw "${TEST_UNDECLARED_OUTPUTS_DIR:-}"
+for f in "${XML_OUTPUT_FILE:-}" "${TEST_PREMATURE_EXIT_FILE:-}" "${TEST_SHARD_STATUS_FILE:-}"; do
+    [ -n "$f" ] && add_rw "$(dirname "$f")"
+done
+# Drop duplicates and dirs inside another one: one 9p mount each is enough.
+if [ ${#RW[@]} -gt 0 ]; then
+    mapfile -t RW < <(for d in "${RW[@]}"; do readlink -f "$d"; done | sort -u |
+                      awk '{ for (p in keep) if (index($0 "/", p "/") == 1) next; keep[$0]; print }')
+fi
+export VM_RW="${VM_RW:-} ${RW[*]}"
+# The guest sees the host's / except /tmp, /var/tmp, /run and /dev/shm (tmpfs
+# there). A workspace or a Bazel output base under one of those would leave the
+# runfiles symlinks dangling in the guest: share them read-only.
+masked() { case "$1/" in /tmp/*|/var/tmp/*|/run/*|/dev/shm/*) return 0 ;; esac; return 1; }
+WS=$(cd "$HERE/../.." && pwd -P)
+masked "$WS" && VM_RO="${VM_RO:-} $WS"
+BIN=$(readlink -f "$(command -v "$1" 2>/dev/null || echo "$1")")
+if masked "$BIN"; then
+    case $BIN in */execroot/*) VM_RO="${VM_RO:-} ${BIN%%/execroot/*}/execroot" ;;
+                 *) VM_RO="${VM_RO:-} $(dirname "$BIN")" ;; esac
+fi
+export VM_RO="${VM_RO:-}"
+# XML_OUTPUT_FILE is what Bazel's GTEST_OUTPUT points at; pass it along.
+export VM_ENV="${VM_ENV:-} XML_OUTPUT_FILE"
+if [ -n "${TEST_UNDECLARED_OUTPUTS_DIR:-}" ] && [ -z "${VM_LOGDIR:-}" ]; then
+    export VM_LOGDIR=$TEST_UNDECLARED_OUTPUTS_DIR/vm
+fi
+# Stop the VM ourselves before Bazel's timeout kills us: we then still print
+# the kernel console tail.
+if [ -z "${VM_TIMEOUT:-}" ] && [ -n "${TEST_TIMEOUT:-}" ] && [ "$TEST_TIMEOUT" -gt 30 ]; then
+    export VM_TIMEOUT=$((TEST_TIMEOUT - 10))
+fi
+
+exec "$HERE/run-in-vm.sh" "$@"
