@@ -1,0 +1,355 @@
+#include "transport/soft/engine.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+
+namespace coverbs::transport::soft {
+namespace {
+
+// io_uring user_data: (connection id << 3) | tag.
+constexpr uint64_t kTagIgnore = 0;
+constexpr uint64_t kTagWake = 1;
+constexpr uint64_t kTagIn = 2;
+constexpr uint64_t kTagOut = 3;
+
+struct Global {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::weak_ptr<Engine> engine;
+  bool alive = false;  // an engine exists (possibly shutting down)
+  bool atexit_registered = false;
+};
+
+Global& G() {
+  static Global* g = new Global();
+  return *g;
+}
+
+void StopAtExit() {
+  std::shared_ptr<Engine> e;
+  {
+    std::lock_guard<std::mutex> lock(G().mu);
+    e = G().engine.lock();
+  }
+  if (e) e->StopForExit();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Engine>> Engine::Get() {
+  Global& g = G();
+  std::unique_lock<std::mutex> lock(g.mu);
+  if (std::shared_ptr<Engine> e = g.engine.lock()) return e;
+  // One progress thread at a time: wait for a previous engine to finish.
+  g.cv.wait(lock, [&] { return !g.alive; });
+  std::shared_ptr<Engine> e(new Engine(), [](Engine* p) {
+    delete p;
+    Global& g = G();
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.alive = false;
+    g.cv.notify_all();
+  });
+  g.alive = true;
+  absl::Status s = e->Start();
+  if (!s.ok()) {
+    lock.unlock();
+    return s;
+  }
+  g.engine = e;
+  if (!g.atexit_registered) {
+    g.atexit_registered = true;
+    std::atexit(&StopAtExit);
+  }
+  return e;
+}
+
+absl::Status Engine::Start() {
+  int rc = io_uring_queue_init(256, &ring_, 0);
+  if (rc < 0) {
+    return absl::InternalError(absl::StrFormat(
+        "soft: io_uring_queue_init for the progress thread: %s",
+        strerror(-rc)));
+  }
+  ring_ok_ = true;
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    return absl::InternalError(absl::StrFormat(
+        "soft: eventfd for the progress thread: %s", strerror(errno)));
+  }
+  discard_ = std::make_unique<char[]>(kDiscardSize);
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+Engine::~Engine() {
+  Stop();
+  // Connections left here belong to objects leaked past exit; close them.
+  for (auto& [id, qp] : conns_) qp->Destroy();
+  conns_.clear();
+  if (ring_ok_) io_uring_queue_exit(&ring_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void Engine::Stop() {
+  if (!thread_.joinable()) return;
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    thread_.detach();  // cannot join ourselves; never expected
+    return;
+  }
+  Post([this] { stop_ = true; });
+  thread_.join();
+  std::lock_guard<std::mutex> lock(inbox_mu_);
+  stopped_ = true;
+  // Anything queued after the stop item runs here.
+  for (Item& item : inbox_) {
+    if (item.kick) {
+      item.kick->OnKick();
+    } else {
+      item.fn();
+    }
+  }
+  inbox_.clear();
+}
+
+void Engine::StopForExit() { Stop(); }
+
+void Engine::Kick(QpCore* qp) {
+  bool wake;
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    if (stopped_) {
+      lock.unlock();
+      std::lock_guard<std::mutex> inline_lock(inline_mu_);
+      AccessEpoch::Enter();
+      qp->OnKick();
+      qp->Service();
+      AccessEpoch::Exit();
+      return;
+    }
+    inbox_.push_back(Item{qp, nullptr});
+    wake = !wake_pending_;
+    wake_pending_ = true;
+  }
+  if (wake) {
+    uint64_t one = 1;
+    ssize_t n = write(wake_fd_, &one, sizeof(one));
+    (void)n;
+  }
+}
+
+void Engine::Post(absl::AnyInvocable<void()> fn) {
+  bool wake;
+  {
+    std::unique_lock<std::mutex> lock(inbox_mu_);
+    if (stopped_) {
+      lock.unlock();
+      std::lock_guard<std::mutex> inline_lock(inline_mu_);
+      fn();
+      return;
+    }
+    inbox_.push_back(Item{nullptr, std::move(fn)});
+    wake = !wake_pending_;
+    wake_pending_ = true;
+  }
+  if (wake) {
+    uint64_t one = 1;
+    ssize_t n = write(wake_fd_, &one, sizeof(one));
+    (void)n;
+  }
+}
+
+void Engine::RunSync(absl::AnyInvocable<void()> fn) {
+  absl::Notification done;
+  Post([&fn, &done] {
+    fn();
+    done.Notify();
+  });
+  done.WaitForNotification();
+}
+
+void Engine::AddConn(std::shared_ptr<QpCore> qp) {
+  uint64_t id = qp->id();
+  conns_.emplace(id, std::move(qp));
+}
+
+void Engine::RemoveConn(QpCore* qp) {
+  active_.erase(std::remove(active_.begin(), active_.end(), qp), active_.end());
+  conns_.erase(qp->id());
+}
+
+void Engine::Activate(QpCore* qp) {
+  if (qp->in_active_ || qp->removed_) return;
+  qp->in_active_ = true;
+  active_.push_back(qp);
+}
+
+io_uring_sqe* Engine::Sqe() {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  while (sqe == nullptr) {
+    io_uring_submit(&ring_);
+    sqe = io_uring_get_sqe(&ring_);
+  }
+  return sqe;
+}
+
+void Engine::WatchIn(QpCore* qp) {
+  if (qp->watching_in_ || qp->fd_ < 0 || !ring_ok_) return;
+  io_uring_sqe* sqe = Sqe();
+  io_uring_prep_poll_multishot(sqe, qp->fd_, POLLIN);
+  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagIn);
+  qp->watching_in_ = true;
+}
+
+void Engine::WatchOut(QpCore* qp) {
+  if (qp->pollout_armed_ || qp->fd_ < 0 || !ring_ok_) return;
+  io_uring_sqe* sqe = Sqe();
+  io_uring_prep_poll_add(sqe, qp->fd_, POLLOUT);
+  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagOut);
+  qp->pollout_armed_ = true;
+}
+
+void Engine::Unwatch(QpCore* qp) {
+  if (!ring_ok_) return;
+  if (qp->watching_in_) {
+    io_uring_sqe* sqe = Sqe();
+    io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagIn);
+    io_uring_sqe_set_data64(sqe, kTagIgnore);
+    qp->watching_in_ = false;
+  }
+  if (qp->pollout_armed_) {
+    io_uring_sqe* sqe = Sqe();
+    io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagOut);
+    io_uring_sqe_set_data64(sqe, kTagIgnore);
+    qp->pollout_armed_ = false;
+  }
+  // Make the removal reach the kernel now: the socket is closed right after
+  // and io_uring holds it open until its polls are gone.
+  io_uring_submit(&ring_);
+}
+
+void Engine::AddTimer(QpCore* qp, SteadyTime when) {
+  timers_.push(Timer{when, qp->id()});
+}
+
+void Engine::ArmWake() {
+  if (wake_armed_) return;
+  io_uring_sqe* sqe = Sqe();
+  io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof(wake_buf_), 0);
+  io_uring_sqe_set_data64(sqe, kTagWake);
+  wake_armed_ = true;
+}
+
+void Engine::ReapCqes() {
+  unsigned head;
+  io_uring_cqe* cqe;
+  unsigned n = 0;
+  io_uring_for_each_cqe(&ring_, head, cqe) {
+    ++n;
+    uint64_t data = cqe->user_data;
+    uint64_t tag = data & 7;
+    if (tag == kTagIgnore) continue;
+    if (tag == kTagWake) {
+      wake_armed_ = false;
+      continue;
+    }
+    auto it = conns_.find(data >> 3);
+    if (it == conns_.end()) continue;
+    QpCore* qp = it->second.get();
+    if (tag == kTagIn) {
+      bool more = (cqe->flags & IORING_CQE_F_MORE) != 0;
+      if (!more) qp->watching_in_ = false;
+      if (qp->fd_ < 0) continue;
+      if (cqe->res != -ECANCELED) qp->OnReadable();
+      if (!qp->watching_in_) WatchIn(qp);
+    } else if (tag == kTagOut) {
+      qp->pollout_armed_ = false;
+      if (qp->fd_ >= 0) qp->OnWritable();
+    }
+  }
+  if (n > 0) io_uring_cq_advance(&ring_, n);
+}
+
+bool Engine::DrainInbox() {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    work_.swap(inbox_);
+    wake_pending_ = false;
+  }
+  for (Item& item : work_) {
+    if (item.kick) {
+      item.kick->OnKick();
+    } else {
+      item.fn();
+    }
+  }
+  work_.clear();
+  return stop_;
+}
+
+void Engine::FireTimers() {
+  if (timers_.empty()) return;
+  SteadyTime now = std::chrono::steady_clock::now();
+  while (!timers_.empty() && timers_.top().when <= now) {
+    uint64_t id = timers_.top().id;
+    timers_.pop();
+    auto it = conns_.find(id);
+    if (it != conns_.end()) it->second->OnTimer(now);
+  }
+}
+
+void Engine::ServiceActive() {
+  servicing_.swap(active_);
+  for (QpCore* qp : servicing_) qp->in_active_ = false;
+  for (QpCore* qp : servicing_) {
+    if (!qp->removed_) qp->Service();
+  }
+  servicing_.clear();
+}
+
+void Engine::Loop() {
+  pthread_setname_np(pthread_self(), "coverbs-soft");
+  for (;;) {
+    AccessEpoch::Enter();
+    ReapCqes();
+    bool stop = DrainInbox();
+    FireTimers();
+    ServiceActive();
+    AccessEpoch::Exit();
+    if (stop) break;
+    ArmWake();
+    if (!active_.empty() || io_uring_cq_ready(&ring_) > 0) {
+      io_uring_submit(&ring_);
+      continue;
+    }
+    if (timers_.empty()) {
+      io_uring_submit_and_wait(&ring_, 1);
+      continue;
+    }
+    auto left = timers_.top().when - std::chrono::steady_clock::now();
+    if (left.count() < 0) left = left.zero();
+    int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    __kernel_timespec ts;
+    ts.tv_sec = ns / 1000000000;
+    ts.tv_nsec = ns % 1000000000;
+    io_uring_cqe* cqe = nullptr;
+    io_uring_submit_and_wait_timeout(&ring_, &cqe, 1, &ts, nullptr);
+  }
+  // Leave nothing in flight in the kernel that could touch a socket.
+  for (auto& [id, qp] : conns_) Unwatch(qp.get());
+  io_uring_submit(&ring_);
+}
+
+}  // namespace coverbs::transport::soft

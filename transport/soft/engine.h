@@ -1,0 +1,111 @@
+// The soft provider's progress engine: one thread per process, on io_uring.
+//
+// It owns the sockets of all soft QPs. Application threads hand it work
+// through a mutex-protected inbox (QP kicks after posts, functions) and wake
+// it through an eventfd; it watches sockets with io_uring polls, serves
+// receive and transmit on them with non-blocking syscalls, runs the RNR and
+// close timers and produces every completion. It is created by the first QP
+// and joined when the last reference goes away (or at process exit).
+#ifndef COVERBS_TRANSPORT_SOFT_ENGINE_H_
+#define COVERBS_TRANSPORT_SOFT_ENGINE_H_
+
+#include <liburing.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "transport/soft/qp_core.h"
+
+namespace coverbs::transport::soft {
+
+class Engine {
+ public:
+  // The process's engine, started on first use.
+  static absl::StatusOr<std::shared_ptr<Engine>> Get();
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  uint64_t NewId() { return next_id_.fetch_add(1); }
+
+  // ---- Any thread.
+  // Queues a QP for service (after a post or SetError). The QP must have been
+  // added with AddConn and not yet removed.
+  void Kick(QpCore* qp);
+  // Runs `fn` on the progress thread, in order with kicks.
+  void Post(absl::AnyInvocable<void()> fn);
+  // Post and wait until `fn` has run.
+  void RunSync(absl::AnyInvocable<void()> fn);
+
+  // ---- Progress thread (or inside Post/RunSync functions).
+  void AddConn(std::shared_ptr<QpCore> qp);
+  void RemoveConn(QpCore* qp);
+  void Activate(QpCore* qp);
+  void WatchIn(QpCore* qp);
+  void WatchOut(QpCore* qp);
+  void Unwatch(QpCore* qp);
+  void AddTimer(QpCore* qp, SteadyTime when);
+  char* discard_buffer() { return discard_.get(); }
+  static constexpr size_t kDiscardSize = 64 * 1024;
+
+  // Stops the thread at process exit if objects are still alive; later
+  // requests run on the calling thread.
+  void StopForExit();
+
+ private:
+  Engine() = default;
+  absl::Status Start();
+  void Loop();
+  void ReapCqes();
+  bool DrainInbox();
+  void FireTimers();
+  void ServiceActive();
+  void ArmWake();
+  io_uring_sqe* Sqe();
+  void Stop();
+
+  struct Item {
+    QpCore* kick = nullptr;
+    absl::AnyInvocable<void()> fn;
+  };
+  struct Timer {
+    SteadyTime when;
+    uint64_t id;
+    bool operator>(const Timer& o) const { return when > o.when; }
+  };
+
+  std::atomic<uint64_t> next_id_{1};
+  std::thread thread_;
+  std::thread::id thread_id_;
+  io_uring ring_{};
+  bool ring_ok_ = false;
+  int wake_fd_ = -1;
+  uint64_t wake_buf_ = 0;
+  bool wake_armed_ = false;
+
+  std::mutex inbox_mu_;
+  std::vector<Item> inbox_;       // guarded by inbox_mu_
+  bool wake_pending_ = false;     // guarded by inbox_mu_
+  bool stopped_ = false;          // guarded by inbox_mu_: thread gone
+  std::mutex inline_mu_;          // serializes work run after stop
+  std::vector<Item> work_;        // progress thread
+
+  absl::flat_hash_map<uint64_t, std::shared_ptr<QpCore>> conns_;
+  std::vector<QpCore*> active_;
+  std::vector<QpCore*> servicing_;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
+  std::unique_ptr<char[]> discard_;
+  bool stop_ = false;
+};
+
+}  // namespace coverbs::transport::soft
+
+#endif  // COVERBS_TRANSPORT_SOFT_ENGINE_H_

@@ -1,0 +1,133 @@
+#include "transport/soft/mr_table.h"
+
+#include <infiniband/verbs.h>
+
+#include <chrono>
+#include <random>
+
+#include "absl/strings/str_format.h"
+
+namespace coverbs::transport::soft {
+namespace {
+
+// A bijection on 32-bit integers (lowbias32): consecutive counters map to
+// scattered keys that do not repeat until the counter wraps.
+uint32_t Mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE |
+                                 IBV_ACCESS_REMOTE_WRITE |
+                                 IBV_ACCESS_REMOTE_READ |
+                                 IBV_ACCESS_REMOTE_ATOMIC |
+                                 IBV_ACCESS_RELAXED_ORDERING;
+
+// Odd while the progress thread is inside its access window.
+std::atomic<uint64_t> g_epoch{0};
+std::atomic<int> g_sync_waiters{0};
+
+}  // namespace
+
+MrTable& MrTable::Get() {
+  static MrTable* table = new MrTable();
+  return *table;
+}
+
+MrTable::MrTable() {
+  std::random_device rd;
+  counter_ = rd() ^ static_cast<uint32_t>(
+                        std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+uint32_t MrTable::NextKey() {
+  for (;;) {
+    uint32_t k = Mix(counter_++);
+    if (k != 0 && !lkeys_.contains(k) && !rkeys_.contains(k)) return k;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<MrEntry>> MrTable::Register(uint64_t pd_id,
+                                                           void* addr,
+                                                           size_t length,
+                                                           int access) {
+  if (addr == nullptr || length == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: register memory %p+%u: empty region", addr, length));
+  }
+  if ((access & ~kSupportedAccess) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: register memory: unsupported access flags 0x%x",
+        access & ~kSupportedAccess));
+  }
+  if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0 &&
+      (access & IBV_ACCESS_LOCAL_WRITE) == 0) {
+    return absl::InvalidArgumentError(
+        "soft: register memory: REMOTE_WRITE and REMOTE_ATOMIC require "
+        "LOCAL_WRITE (EINVAL, as verbs)");
+  }
+  if (reinterpret_cast<uintptr_t>(addr) + length < length) {
+    return absl::InvalidArgumentError("soft: register memory: range wraps");
+  }
+  auto mr = std::make_shared<MrEntry>();
+  mr->addr = static_cast<char*>(addr);
+  mr->length = length;
+  mr->access = access;
+  mr->pd_id = pd_id;
+  absl::MutexLock lock(&mu_);
+  mr->lkey = NextKey();
+  lkeys_.emplace(mr->lkey, mr);
+  mr->rkey = NextKey();
+  rkeys_.emplace(mr->rkey, mr);
+  return mr;
+}
+
+void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
+  {
+    absl::MutexLock lock(&mu_);
+    lkeys_.erase(mr->lkey);
+    rkeys_.erase(mr->rkey);
+  }
+  mr->valid.store(false);
+  AccessEpoch::Synchronize();
+}
+
+const std::shared_ptr<MrEntry>* MrTable::Reader::FindLkey(uint32_t key) const {
+  t_.mu_.AssertReaderHeld();
+  auto it = t_.lkeys_.find(key);
+  return it == t_.lkeys_.end() ? nullptr : &it->second;
+}
+
+const std::shared_ptr<MrEntry>* MrTable::Reader::FindRkey(uint32_t key) const {
+  t_.mu_.AssertReaderHeld();
+  auto it = t_.rkeys_.find(key);
+  return it == t_.rkeys_.end() ? nullptr : &it->second;
+}
+
+void AccessEpoch::Enter() { g_epoch.fetch_add(1); }
+
+void AccessEpoch::Exit() {
+  g_epoch.fetch_add(1);
+  if (g_sync_waiters.load() > 0) g_epoch.notify_all();
+}
+
+void AccessEpoch::Synchronize() {
+  // Seq-cst on both sides: either Exit() sees our waiter count and notifies,
+  // or we see its increment and do not wait.
+  g_sync_waiters.fetch_add(1);
+  uint64_t e = g_epoch.load();
+  if (e & 1) {
+    uint64_t now = e;
+    while (now == e) {
+      g_epoch.wait(e);
+      now = g_epoch.load();
+    }
+  }
+  g_sync_waiters.fetch_sub(1);
+}
+
+}  // namespace coverbs::transport::soft

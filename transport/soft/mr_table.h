@@ -1,0 +1,88 @@
+// The soft provider's process-wide memory-region table and the progress
+// thread's access window (an RCU-like epoch) that makes deregistration
+// synchronous: once DeregisterMemory returns, the progress thread no longer
+// touches the region's memory.
+#ifndef COVERBS_TRANSPORT_SOFT_MR_TABLE_H_
+#define COVERBS_TRANSPORT_SOFT_MR_TABLE_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace coverbs::transport::soft {
+
+// One registered region. Immutable except `valid`.
+struct MrEntry {
+  char* addr = nullptr;
+  size_t length = 0;
+  int access = 0;
+  uint64_t pd_id = 0;
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+  // Cleared by deregistration; the progress thread checks it inside its
+  // access window before each use of the memory.
+  std::atomic<bool> valid{true};
+
+  bool Covers(uint64_t a, uint64_t len) const {
+    uint64_t base = reinterpret_cast<uintptr_t>(addr);
+    return a >= base && len <= length && a - base <= length - len;
+  }
+};
+
+class MrTable {
+ public:
+  static MrTable& Get();
+
+  // Registers [addr, addr+length) for `pd_id` with IBV_ACCESS_* flags.
+  absl::StatusOr<std::shared_ptr<MrEntry>> Register(uint64_t pd_id, void* addr,
+                                                    size_t length, int access);
+  // Removes the keys, invalidates the entry and waits until the progress
+  // thread is outside any access window that may have seen it valid.
+  void Deregister(const std::shared_ptr<MrEntry>& mr);
+
+  // Lookups (nullptr when absent). Lock the table once for a batch.
+  class Reader {
+   public:
+    explicit Reader(MrTable& t) ABSL_SHARED_LOCK_FUNCTION(t.mu_) : t_(t) {
+      t_.mu_.ReaderLock();
+    }
+    ~Reader() ABSL_UNLOCK_FUNCTION() { t_.mu_.ReaderUnlock(); }
+    const std::shared_ptr<MrEntry>* FindLkey(uint32_t key) const;
+    const std::shared_ptr<MrEntry>* FindRkey(uint32_t key) const;
+
+   private:
+    MrTable& t_;
+  };
+
+ private:
+  MrTable();
+  uint32_t NextKey() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> lkeys_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> rkeys_
+      ABSL_GUARDED_BY(mu_);
+  uint32_t counter_ ABSL_GUARDED_BY(mu_);
+};
+
+// The progress thread's data-path access window. The progress thread calls
+// Enter() before it touches registered memory and Exit() before it sleeps;
+// Synchronize() (any other thread) returns once every window that was open
+// when it was called has closed. There is at most one progress thread.
+class AccessEpoch {
+ public:
+  static void Enter();
+  static void Exit();
+  static void Synchronize();
+};
+
+}  // namespace coverbs::transport::soft
+
+#endif  // COVERBS_TRANSPORT_SOFT_MR_TABLE_H_

@@ -1,0 +1,293 @@
+// QpCore: the state of one soft RC QP, shared between the application threads
+// (posting, SetError, state) and the progress thread (everything on the
+// socket). Fields are grouped by who may touch them; see README.md.
+#ifndef COVERBS_TRANSPORT_SOFT_QP_CORE_H_
+#define COVERBS_TRANSPORT_SOFT_QP_CORE_H_
+
+#include <infiniband/verbs.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "transport/provider.h"
+#include "transport/soft/mr_table.h"
+#include "transport/soft/queues.h"
+#include "transport/soft/wire.h"
+
+namespace coverbs::transport::soft {
+
+class Engine;
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+// RNR NAK delay for an IB min_rnr_timer code: the IB table value divided by
+// 10 (code 12, 0.64 ms in IB, waits 64 us; code 0, 655.36 ms, waits 65.5 ms).
+std::chrono::microseconds RnrDelay(uint8_t code);
+
+// A growable FIFO ring (no allocation once it has grown to its working size).
+template <typename T>
+class Ring {
+ public:
+  bool empty() const { return head_ == tail_; }
+  size_t size() const { return head_ - tail_; }
+  T& front() { return buf_[tail_ & (buf_.size() - 1)]; }
+  T& back() { return buf_[(head_ - 1) & (buf_.size() - 1)]; }
+  void push_back(T v) {
+    if (head_ - tail_ == buf_.size()) Grow();
+    buf_[head_++ & (buf_.size() - 1)] = std::move(v);
+  }
+  void pop_front() { buf_[tail_++ & (buf_.size() - 1)] = T(); }
+  void clear() {
+    while (!empty()) pop_front();
+  }
+
+ private:
+  void Grow() {
+    std::vector<T> n(buf_.empty() ? 16 : buf_.size() * 2);
+    for (size_t i = 0; tail_ + i != head_; ++i) {
+      n[i] = std::move(buf_[(tail_ + i) & (buf_.size() - 1)]);
+    }
+    head_ -= tail_;
+    tail_ = 0;
+    buf_ = std::move(n);
+  }
+  std::vector<T> buf_;
+  size_t head_ = 0;
+  size_t tail_ = 0;
+};
+
+struct QpConfig {
+  uint32_t qp_num = 0;
+  uint64_t pd_id = 0;
+  QpInit init;  // the CQ / SRQ pointers in it are not used
+  std::shared_ptr<CqCore> send_cq;
+  std::shared_ptr<CqCore> recv_cq;
+  std::shared_ptr<RecvQueue> srq;  // null: the QP has its own RQ
+  std::shared_ptr<AsyncQueue> async;
+};
+
+class QpCore {
+ public:
+  QpCore(Engine* engine, uint64_t id, QpConfig config);
+  ~QpCore();
+  QpCore(const QpCore&) = delete;
+  QpCore& operator=(const QpCore&) = delete;
+
+  uint64_t id() const { return id_; }
+  uint32_t qp_num() const { return cfg_.qp_num; }
+  uint64_t pd_id() const { return cfg_.pd_id; }
+  uint32_t max_send_wr() const { return sq_cap_; }
+  uint32_t max_recv_wr() const { return rq_ ? rq_->capacity() : 0; }
+  uint32_t max_inline_data() const { return max_inline_; }
+
+  // ---- Application side (any thread).
+  absl::Status PostSend(ibv_send_wr* wr, ibv_send_wr** bad);
+  absl::Status PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad);
+  void RequestError();
+  ibv_qp_state state() const {
+    return static_cast<ibv_qp_state>(state_.load(std::memory_order_acquire));
+  }
+  // Marks the QP connected (RTS) once the progress thread owns its socket.
+  // False if the QP went to the error state first.
+  bool SetConnected() {
+    int expected = IBV_QPS_INIT;
+    return state_.compare_exchange_strong(expected, IBV_QPS_RTS);
+  }
+
+  // ---- Progress thread.
+  void Connect(int fd);
+  void OnKick();
+  void Service();
+  void OnTimer(SteadyTime now);
+  void OnReadable();
+  void OnWritable();
+  void Destroy();
+
+ private:
+  friend class Engine;
+
+  enum class Cause { kLocalRequest, kPeerDisconnect, kFault };
+  enum class RxKind : uint8_t {
+    kDiscard,
+    kRecv,
+    kWrite,
+    kAtomicReq,
+    kReadResp,
+    kAtomicResp,
+  };
+  struct SendWqe {
+    uint64_t wr_id;
+    uint64_t remote_addr;
+    uint64_t compare_add;
+    uint64_t swap;
+    uint64_t total;
+    uint32_t rkey;
+    uint32_t imm;
+    uint32_t num_sge;
+    uint8_t opcode;  // ibv_wr_opcode
+    uint8_t status;  // IBV_WC_SUCCESS, or the local error found at post
+    uint8_t rnr_retries;
+    bool signaled;
+    bool inlined;
+    bool solicited;
+  };
+  // A response (or DISCONNECT) queued by the responder side.
+  struct Ctrl {
+    uint8_t op = 0;
+    uint8_t syndrome = 0;
+    uint64_t seq = 0;
+    std::shared_ptr<MrEntry> mr;  // READ_RESP source
+    uint64_t addr = 0;
+    uint32_t len = 0;
+    uint64_t value = 0;  // ATOMIC_RESP
+  };
+  struct Dest {
+    char* p;
+    size_t len;
+    const MrEntry* mr;  // checked before each use; null for internal buffers
+  };
+  struct Seg {
+    const char* p = nullptr;
+    size_t len = 0;
+    std::shared_ptr<MrEntry> mr;  // null: arena memory
+    int64_t slot = -1;            // SQ index whose buffer this is, or -1
+  };
+
+  // Application side.
+  absl::Status CheckSendWr(const ibv_send_wr& wr) const;
+  void FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
+                   uint64_t index);
+  void Kick();
+
+  // Progress thread: receive.
+  void DoRx();
+  bool RecvResult(ssize_t n);
+  void DrainAfterError();
+  void StartFrame(const wire::Header& h);
+  void StartRequest(const wire::Header& h);
+  void FinishFrame();
+  void BeginPayload(RxKind kind, uint64_t len);
+  void Place(const char* src, size_t n);
+  int DestIov(struct iovec* iov, int max, size_t* covered);
+  void AdvanceDest(size_t n);
+  bool TakeRecv();
+  uint8_t CheckRemote(uint32_t rkey, uint64_t addr, uint64_t len, int access,
+                      std::shared_ptr<MrEntry>* out) const;
+  void RecvFailed(uint8_t recv_status, uint8_t nak_status,
+                  const std::string& why);
+  void RespondError(uint8_t nak_status, const std::string& why);
+  void QueueAck(uint64_t seq);
+  void QueueCtrl(Ctrl c);
+  void PushRecvWc(uint8_t status, ibv_wc_opcode op, uint32_t len, bool imm,
+                  uint32_t imm_data);
+  void ProtocolError(const std::string& why);
+
+  // Progress thread: requester.
+  SendWqe& Wqe(uint64_t i) { return sq_[i % sq_cap_]; }
+  bool AckBefore(uint64_t end);
+  void CompleteWqe(uint64_t i, uint8_t status);
+  void PublishTail();
+  uint64_t ReadHead();
+  bool IsRdAtomic(const SendWqe& w) const;
+
+  // Progress thread: transmit.
+  void DoTx();
+  bool SendPending();
+  bool Build();
+  void AppendHeader(const wire::Header& h, const char* extra, size_t n);
+  void AppendUser(const char* p, size_t n, const std::shared_ptr<MrEntry>& mr,
+                  int64_t slot);
+  void ResetTx();
+
+  // Progress thread: errors.
+  void EnterError(Cause cause, const std::string& why);
+  void FlushRq();
+  void FlushSq();
+  void CloseNow();
+  void ConnectionLost(const std::string& why);
+  void PushSendWc(const SendWqe& w, uint8_t status);
+
+  Engine* const engine_;
+  const uint64_t id_;
+  const QpConfig cfg_;
+  const uint32_t sq_cap_;
+  const uint32_t max_send_sge_;
+  const uint32_t max_inline_;
+  const std::unique_ptr<RecvQueue> rq_;  // null when the QP uses an SRQ
+
+  // ---- Shared.
+  std::atomic<int> state_{IBV_QPS_INIT};
+  std::atomic<bool> kicked_{false};
+  std::atomic<bool> error_requested_{false};
+  std::mutex mu_;
+  uint64_t sq_head_ = 0;  // guarded by mu_: next slot to post
+  uint64_t sq_tail_ = 0;  // guarded by mu_: oldest uncompleted slot
+  // Slots [sq_tail_, sq_head_) are owned by the progress thread (published by
+  // mu_); the others by posters holding mu_.
+  std::vector<SendWqe> sq_;
+  std::vector<ibv_sge> sq_sge_;
+  std::vector<std::shared_ptr<MrEntry>> sq_mr_;
+  std::vector<char> sq_inline_;
+
+  // ---- Progress thread only.
+  int fd_ = -1;
+  bool removed_ = false;
+  bool in_active_ = false;
+  bool watching_in_ = false;
+  bool pollout_armed_ = false;
+  bool rx_ready_ = false;
+  bool tx_blocked_ = false;
+  bool err_ = false;
+  bool closed_ = false;
+  bool fin_sent_ = false;
+  bool hello_sent_ = false;
+  bool hello_rx_ = false;
+  uint32_t peer_qpn_ = 0;
+  SteadyTime close_deadline_{};
+  // Requester.
+  uint64_t head_cache_ = 0;
+  uint64_t send_ptr_ = 0;  // next WQE to transmit
+  uint64_t comp_ptr_ = 0;  // oldest WQE not completed
+  uint32_t rd_atomic_out_ = 0;
+  bool rnr_wait_ = false;
+  SteadyTime rnr_until_{};
+  // Responder.
+  uint64_t expected_seq_ = 0;
+  bool rnr_drop_ = false;
+  Ring<Ctrl> ctrl_;
+  // Receive framing.
+  std::unique_ptr<char[]> rbuf_;
+  size_t rpos_ = 0;
+  size_t rend_ = 0;
+  bool in_payload_ = false;
+  wire::Header cur_;
+  uint64_t pay_left_ = 0;
+  RxKind rx_kind_ = RxKind::kDiscard;
+  bool rx_err_ = false;  // a destination became invalid during placement
+  Dest dests_[kMaxSge];
+  uint32_t ndest_ = 0;
+  uint32_t dest_idx_ = 0;
+  size_t dest_off_ = 0;
+  RecvWqe cur_recv_;
+  bool have_cur_recv_ = false;
+  std::shared_ptr<MrEntry> rx_mr_;  // WRITE target being filled
+  alignas(8) char atomic_buf_[wire::kAtomicReqSize];
+  // Transmit batch.
+  std::unique_ptr<char[]> arena_;
+  size_t arena_used_ = 0;
+  std::vector<Seg> segs_;
+  size_t nsegs_ = 0;
+  size_t seg_idx_ = 0;
+  size_t seg_off_ = 0;
+};
+
+}  // namespace coverbs::transport::soft
+
+#endif  // COVERBS_TRANSPORT_SOFT_QP_CORE_H_

@@ -1,0 +1,236 @@
+#include "transport/soft/queues.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+
+namespace coverbs::transport::soft {
+
+// ---------------------------------------------------------------------------
+// AsyncQueue
+
+absl::StatusOr<std::shared_ptr<AsyncQueue>> AsyncQueue::Create() {
+  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK | EFD_SEMAPHORE);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrFormat("soft: eventfd for async events: %s", strerror(errno)));
+  }
+  return std::shared_ptr<AsyncQueue>(new AsyncQueue(fd));
+}
+
+AsyncQueue::~AsyncQueue() { close(fd_); }
+
+void AsyncQueue::Push(AsyncEvent ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(std::move(ev));
+  uint64_t one = 1;
+  ssize_t n = write(fd_, &one, sizeof(one));
+  (void)n;
+}
+
+absl::StatusOr<AsyncEvent> AsyncQueue::Pop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.empty()) return absl::NotFoundError("no async event pending");
+  AsyncEvent ev = std::move(events_.front());
+  events_.pop_front();
+  uint64_t v;
+  ssize_t n = read(fd_, &v, sizeof(v));  // semaphore: takes one
+  (void)n;
+  return ev;
+}
+
+// ---------------------------------------------------------------------------
+// CqCore
+
+absl::StatusOr<std::shared_ptr<CqCore>> CqCore::Create(
+    int capacity, std::shared_ptr<AsyncQueue> async) {
+  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrFormat(
+        "soft: eventfd for a completion channel: %s", strerror(errno)));
+  }
+  return std::shared_ptr<CqCore>(new CqCore(capacity, fd, std::move(async)));
+}
+
+CqCore::CqCore(int capacity, int fd, std::shared_ptr<AsyncQueue> async)
+    : fd_(fd), async_(std::move(async)), ring_(capacity) {}
+
+CqCore::~CqCore() { close(fd_); }
+
+bool CqCore::Push(const ibv_wc& wc) {
+  bool signal = false;
+  bool report_overrun = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (overrun_) return false;
+    if (head_ - tail_ >= ring_.size()) {
+      overrun_ = true;
+      report_overrun = true;
+    } else {
+      ring_[head_ % ring_.size()] = wc;
+      ++head_;
+      count_.store(head_ - tail_, std::memory_order_release);
+      if (armed_) {
+        armed_ = false;
+        signal = true;
+      }
+    }
+  }
+  if (signal) {
+    uint64_t one = 1;
+    ssize_t n = write(fd_, &one, sizeof(one));
+    (void)n;
+  }
+  if (report_overrun) {
+    if (async_) {
+      async_->Push(AsyncEvent{
+          IBV_EVENT_CQ_ERR, 0,
+          absl::StrFormat("soft: CQ overrun (capacity %d): a completion of "
+                          "qp %u was lost",
+                          capacity(), wc.qp_num)});
+    }
+    return false;
+  }
+  return true;
+}
+
+int CqCore::Poll(int n, ibv_wc* out) {
+  if (n <= 0) return n == 0 ? 0 : -EINVAL;
+  if (count_.load(std::memory_order_acquire) == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return overrun_ && head_ == tail_ ? -EOVERFLOW : 0;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  int got = 0;
+  while (got < n && tail_ != head_) {
+    out[got++] = ring_[tail_ % ring_.size()];
+    ++tail_;
+  }
+  count_.store(head_ - tail_, std::memory_order_release);
+  if (got == 0 && overrun_) return -EOVERFLOW;
+  return got;
+}
+
+void CqCore::RequestNotify() {
+  std::lock_guard<std::mutex> lock(mu_);
+  armed_ = true;
+}
+
+int CqCore::GetEvents() {
+  uint64_t v = 0;
+  ssize_t n = read(fd_, &v, sizeof(v));
+  if (n != sizeof(v)) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  events_ += v;
+  return static_cast<int>(v);
+}
+
+void CqCore::AckEvents(unsigned n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  acked_ += n;
+}
+
+uint64_t CqCore::unacked_events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_ > acked_ ? events_ - acked_ : 0;
+}
+
+// ---------------------------------------------------------------------------
+// RecvQueue
+
+const std::shared_ptr<MrEntry>* CheckLocalSge(const MrTable::Reader& table,
+                                              uint64_t pd_id,
+                                              const ibv_sge& sge,
+                                              bool nic_writes) {
+  const std::shared_ptr<MrEntry>* mr = table.FindLkey(sge.lkey);
+  if (mr == nullptr) return nullptr;
+  const MrEntry& e = **mr;
+  if (e.pd_id != pd_id || !e.Covers(sge.addr, sge.length)) return nullptr;
+  if (nic_writes && (e.access & IBV_ACCESS_LOCAL_WRITE) == 0) return nullptr;
+  return mr;
+}
+
+RecvQueue::RecvQueue(uint32_t capacity, uint32_t max_sge, uint64_t pd_id)
+    : capacity_(capacity),
+      max_sge_(max_sge),
+      pd_id_(pd_id),
+      slots_(capacity),
+      sges_(static_cast<size_t>(capacity) * max_sge),
+      mrs_(static_cast<size_t>(capacity) * max_sge) {}
+
+absl::Status RecvQueue::Post(ibv_recv_wr* wr, ibv_recv_wr** bad,
+                             uint32_t qp_num) {
+  MrTable::Reader table(MrTable::Get());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (; wr != nullptr; wr = wr->next) {
+    if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > max_sge_) {
+      if (bad) *bad = wr;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post recv on qp %u: num_sge %d exceeds max_recv_sge %u "
+          "(EINVAL)",
+          qp_num, wr->num_sge, max_sge_));
+    }
+    if (head_ - tail_ >= capacity_) {
+      if (bad) *bad = wr;
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "soft: post recv on qp %u: receive queue full (%u WRs) (ENOMEM)",
+          qp_num, capacity_));
+    }
+    size_t i = head_ % capacity_;
+    Slot& s = slots_[i];
+    s.wr_id = wr->wr_id;
+    s.num_sge = static_cast<uint32_t>(wr->num_sge);
+    s.status = IBV_WC_SUCCESS;
+    s.total = 0;
+    for (uint32_t k = 0; k < s.num_sge; ++k) {
+      const ibv_sge& sge = wr->sg_list[k];
+      sges_[i * max_sge_ + k] = sge;
+      s.total += sge.length;
+      const std::shared_ptr<MrEntry>* mr =
+          sge.length == 0 ? nullptr : CheckLocalSge(table, pd_id_, sge, true);
+      if (mr == nullptr) {
+        mrs_[i * max_sge_ + k].reset();
+        if (sge.length != 0) s.status = IBV_WC_LOC_PROT_ERR;
+      } else {
+        mrs_[i * max_sge_ + k] = *mr;
+      }
+    }
+    ++head_;
+  }
+  return absl::OkStatus();
+}
+
+bool RecvQueue::Take(RecvWqe* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tail_ == head_) return false;
+  size_t i = tail_ % capacity_;
+  const Slot& s = slots_[i];
+  out->wr_id = s.wr_id;
+  out->num_sge = s.num_sge;
+  out->status = s.status;
+  out->total = s.total;
+  for (uint32_t k = 0; k < s.num_sge; ++k) {
+    out->sge[k] = sges_[i * max_sge_ + k];
+    out->mr[k] = std::move(mrs_[i * max_sge_ + k]);
+  }
+  ++tail_;
+  return true;
+}
+
+void RecvQueue::TakeAllIds(std::vector<uint64_t>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (; tail_ != head_; ++tail_) {
+    size_t i = tail_ % capacity_;
+    out->push_back(slots_[i].wr_id);
+    for (uint32_t k = 0; k < slots_[i].num_sge; ++k) {
+      mrs_[i * max_sge_ + k].reset();
+    }
+  }
+}
+
+}  // namespace coverbs::transport::soft

@@ -1,0 +1,136 @@
+// Completion queues, receive queues (a QP's own RQ or an SRQ) and the
+// provider's asynchronous event queue of the soft provider. They are shared
+// between the application threads and the progress thread; each guards its
+// state with its own mutex.
+#ifndef COVERBS_TRANSPORT_SOFT_QUEUES_H_
+#define COVERBS_TRANSPORT_SOFT_QUEUES_H_
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "transport/provider.h"
+#include "transport/soft/mr_table.h"
+
+namespace coverbs::transport::soft {
+
+inline constexpr uint32_t kMaxSge = 16;
+
+// Asynchronous events of one provider instance. fd() is a non-blocking
+// semaphore eventfd: readable while events are pending.
+class AsyncQueue {
+ public:
+  static absl::StatusOr<std::shared_ptr<AsyncQueue>> Create();
+  ~AsyncQueue();
+  int fd() const { return fd_; }
+  void Push(AsyncEvent ev);
+  absl::StatusOr<AsyncEvent> Pop();
+
+ private:
+  explicit AsyncQueue(int fd) : fd_(fd) {}
+  const int fd_;
+  std::mutex mu_;
+  std::deque<AsyncEvent> events_;
+};
+
+// A completion queue with verbs' completion-channel mechanics. Push is called
+// by the progress thread only; the rest by the application (any thread).
+class CqCore {
+ public:
+  static absl::StatusOr<std::shared_ptr<CqCore>> Create(
+      int capacity, std::shared_ptr<AsyncQueue> async);
+  ~CqCore();
+
+  int fd() const { return fd_; }
+  int capacity() const { return static_cast<int>(ring_.size()); }
+
+  // Appends a completion. On overrun the completion is dropped, the CQ is
+  // marked in error (once: IBV_EVENT_CQ_ERR) and false is returned.
+  bool Push(const ibv_wc& wc);
+
+  int Poll(int n, ibv_wc* out);
+  void RequestNotify();
+  int GetEvents();
+  void AckEvents(unsigned n);
+  uint64_t unacked_events() const;
+
+ private:
+  CqCore(int capacity, int fd, std::shared_ptr<AsyncQueue> async);
+
+  const int fd_;
+  const std::shared_ptr<AsyncQueue> async_;
+  mutable std::mutex mu_;
+  std::vector<ibv_wc> ring_;
+  uint64_t head_ = 0;  // next to write
+  uint64_t tail_ = 0;  // next to poll
+  bool armed_ = false;
+  bool overrun_ = false;
+  uint64_t events_ = 0;  // delivered through GetEvents
+  uint64_t acked_ = 0;
+  std::atomic<uint64_t> count_{0};  // head_ - tail_, for a lock-free empty check
+};
+
+// A posted receive, as the progress thread consumes it.
+struct RecvWqe {
+  uint64_t wr_id = 0;
+  uint32_t num_sge = 0;
+  uint8_t status = IBV_WC_SUCCESS;  // IBV_WC_LOC_PROT_ERR: an SGE failed checks
+  uint64_t total = 0;
+  ibv_sge sge[kMaxSge];
+  std::shared_ptr<MrEntry> mr[kMaxSge];
+};
+
+// A ring of posted receive WRs: a QP's receive queue or an SRQ.
+class RecvQueue {
+ public:
+  RecvQueue(uint32_t capacity, uint32_t max_sge, uint64_t pd_id);
+
+  // Application: like ibv_post_recv. SGEs are checked against the MR table
+  // here; a failing SGE does not fail the post but makes the WR complete with
+  // IBV_WC_LOC_PROT_ERR when a message lands in it.
+  absl::Status Post(ibv_recv_wr* wr, ibv_recv_wr** bad, uint32_t qp_num);
+
+  // Progress thread: moves the oldest WR into `out`; false when empty.
+  bool Take(RecvWqe* out);
+  // Progress thread: removes every WR, oldest first, into `out` (ids only).
+  void TakeAllIds(std::vector<uint64_t>* out);
+
+  uint32_t capacity() const { return capacity_; }
+  uint32_t max_sge() const { return max_sge_; }
+
+ private:
+  struct Slot {
+    uint64_t wr_id;
+    uint32_t num_sge;
+    uint8_t status;
+    uint64_t total;
+  };
+  const uint32_t capacity_;
+  const uint32_t max_sge_;
+  const uint64_t pd_id_;
+  std::mutex mu_;
+  uint64_t head_ = 0;
+  uint64_t tail_ = 0;
+  std::vector<Slot> slots_;
+  std::vector<ibv_sge> sges_;
+  std::vector<std::shared_ptr<MrEntry>> mrs_;
+};
+
+// Checks a local SGE against the MR table for `pd_id`. Returns the region or
+// nullptr (a local protection error).
+const std::shared_ptr<MrEntry>* CheckLocalSge(const MrTable::Reader& table,
+                                              uint64_t pd_id,
+                                              const ibv_sge& sge,
+                                              bool nic_writes);
+
+}  // namespace coverbs::transport::soft
+
+#endif  // COVERBS_TRANSPORT_SOFT_QUEUES_H_

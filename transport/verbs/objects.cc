@@ -1,0 +1,454 @@
+// PD, MR, CQ, SRQ and QP wrappers of the verbs provider, and error helpers.
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "transport/verbs/internal.h"
+
+namespace coverbs::transport::verbs_internal {
+
+// ---------------------------------------------------------------- errors
+
+int VerbsErrno(int ret, int saved_errno) {
+  if (ret == -1 && saved_errno > 0) return saved_errno;
+  if (ret < 0) return -ret;
+  return ret;
+}
+
+absl::Status ErrnoStatus(int err, std::string_view what) {
+  return absl::Status(absl::ErrnoToStatusCode(err),
+                      absl::StrFormat("%s: %s (errno %d)", what,
+                                      std::strerror(err), err));
+}
+
+const char* WrOpcodeName(ibv_wr_opcode op) {
+  switch (op) {
+    case IBV_WR_SEND: return "SEND";
+    case IBV_WR_SEND_WITH_IMM: return "SEND_WITH_IMM";
+    case IBV_WR_SEND_WITH_INV: return "SEND_WITH_INV";
+    case IBV_WR_RDMA_WRITE: return "RDMA_WRITE";
+    case IBV_WR_RDMA_WRITE_WITH_IMM: return "RDMA_WRITE_WITH_IMM";
+    case IBV_WR_RDMA_READ: return "RDMA_READ";
+    case IBV_WR_ATOMIC_CMP_AND_SWP: return "ATOMIC_CMP_AND_SWP";
+    case IBV_WR_ATOMIC_FETCH_AND_ADD: return "ATOMIC_FETCH_AND_ADD";
+    case IBV_WR_LOCAL_INV: return "LOCAL_INV";
+    case IBV_WR_BIND_MW: return "BIND_MW";
+    case IBV_WR_TSO: return "TSO";
+    default: return "UNKNOWN_OPCODE";
+  }
+}
+
+const char* TransportName(TransportKind k) {
+  switch (k) {
+    case TransportKind::kInfiniBand: return "InfiniBand";
+    case TransportKind::kRoCE: return "RoCE";
+    case TransportKind::kIWarp: return "iWARP";
+    case TransportKind::kSoft: return "soft";
+  }
+  return "?";
+}
+
+std::string GidToString(const ibv_gid& gid) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET6, gid.raw, buf, sizeof(buf));
+  return buf;
+}
+
+bool GidIsZero(const ibv_gid& gid) {
+  for (uint8_t b : gid.raw) {
+    if (b != 0) return false;
+  }
+  return true;
+}
+
+bool GidIsIpv4Mapped(const ibv_gid& gid) {
+  for (int i = 0; i < 10; ++i) {
+    if (gid.raw[i] != 0) return false;
+  }
+  return gid.raw[10] == 0xff && gid.raw[11] == 0xff;
+}
+
+std::string SockaddrToString(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa == nullptr) return "(none)";
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
+    return ntohs(in->sin_port) != 0
+               ? absl::StrFormat("%s:%d", buf, ntohs(in->sin_port))
+               : std::string(buf);
+  }
+  if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof(buf));
+    return ntohs(in6->sin6_port) != 0
+               ? absl::StrFormat("[%s]:%d", buf, ntohs(in6->sin6_port))
+               : std::string(buf);
+  }
+  return absl::StrFormat("(address family %d)", sa->sa_family);
+}
+
+void LogError(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  std::fprintf(stderr, "coverbs/verbs: %s\n", buf);
+}
+
+// ---------------------------------------------------------------- cores
+
+Device::~Device() {
+  // Everything created on ctx is gone (it all holds a reference to us).
+  if (list != nullptr) rdma_free_devices(list);
+}
+
+PdCore::~PdCore() {
+  if (pd == nullptr) return;
+  if (int ret = ibv_dealloc_pd(pd); ret != 0) {
+    LogError("ibv_dealloc_pd on %s failed: %s", dev->name.c_str(),
+             std::strerror(VerbsErrno(ret, errno)));
+  }
+}
+
+CqCore::~CqCore() {
+  if (cq != nullptr) {
+    // The owner should have acked every event it consumed; if not, ack the
+    // rest here: ibv_destroy_cq waits until all consumed events are acked.
+    if (unacked != 0) ibv_ack_cq_events(cq, unacked);
+    if (int ret = ibv_destroy_cq(cq); ret != 0) {
+      LogError("ibv_destroy_cq on %s failed: %s", dev->name.c_str(),
+               std::strerror(VerbsErrno(ret, errno)));
+    }
+  }
+  if (channel != nullptr) {
+    if (int ret = ibv_destroy_comp_channel(channel); ret != 0) {
+      LogError("ibv_destroy_comp_channel on %s failed: %s", dev->name.c_str(),
+               std::strerror(VerbsErrno(ret, errno)));
+    }
+  }
+}
+
+SrqCore::~SrqCore() {
+  if (srq == nullptr) return;
+  if (int ret = ibv_destroy_srq(srq); ret != 0) {
+    LogError("ibv_destroy_srq on %s failed: %s", pd->dev->name.c_str(),
+             std::strerror(VerbsErrno(ret, errno)));
+  }
+}
+
+// ---------------------------------------------------------------- MR
+
+namespace {
+
+class VerbsMr : public ProviderMr {
+ public:
+  VerbsMr(std::shared_ptr<PdCore> pd, ibv_mr* mr, int access)
+      : pd_(std::move(pd)), mr_(mr), access_(access) {}
+  ~VerbsMr() override {
+    if (int ret = ibv_dereg_mr(mr_); ret != 0) {
+      LogError("ibv_dereg_mr (lkey 0x%x) on %s failed: %s", mr_->lkey,
+               pd_->dev->name.c_str(), std::strerror(VerbsErrno(ret, errno)));
+    }
+  }
+  void* addr() const override { return mr_->addr; }
+  size_t length() const override { return mr_->length; }
+  uint32_t lkey() const override { return mr_->lkey; }
+  uint32_t rkey() const override { return mr_->rkey; }
+  int access() const override { return access_; }
+
+ private:
+  std::shared_ptr<PdCore> pd_;
+  ibv_mr* mr_;
+  int access_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProviderMr>> VerbsPd::RegisterMemory(
+    void* addr, size_t length, int access) {
+  // Verbs (and iWARP in particular) require LOCAL_WRITE with REMOTE_WRITE or
+  // REMOTE_ATOMIC; ibv_reg_mr fails with EINVAL otherwise. Add it.
+  if (access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) {
+    access |= IBV_ACCESS_LOCAL_WRITE;
+  }
+  errno = 0;
+  ibv_mr* mr = ibv_reg_mr(core_->pd, addr, length, access);
+  if (mr == nullptr) {
+    int err = errno != 0 ? errno : EINVAL;
+    return RegMrError(err, *core_->dev, addr, length, access);
+  }
+  return std::make_unique<VerbsMr>(core_, mr, access);
+}
+
+// ---------------------------------------------------------------- SRQ
+
+absl::StatusOr<std::unique_ptr<ProviderSrq>> VerbsPd::CreateSrq(
+    uint32_t max_wr, uint32_t max_sge) {
+  ibv_srq_init_attr attr{};
+  attr.attr.max_wr = max_wr;
+  attr.attr.max_sge = max_sge;
+  errno = 0;
+  ibv_srq* srq = ibv_create_srq(core_->pd, &attr);
+  if (srq == nullptr) {
+    const Device& dev = *core_->dev;
+    return ErrnoStatus(
+        errno != 0 ? errno : EINVAL,
+        absl::StrFormat("ibv_create_srq(max_wr=%u, max_sge=%u) on %s (device "
+                        "max_srq_wr=%d, max_srq_sge=%d)",
+                        max_wr, max_sge, dev.name, dev.attr.max_srq_wr,
+                        dev.attr.max_srq_sge));
+  }
+  auto core = std::make_shared<SrqCore>();
+  core->pd = core_;
+  core->srq = srq;
+  return std::make_unique<VerbsSrq>(std::move(core));
+}
+
+absl::Status VerbsSrq::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  ibv_recv_wr* local_bad = nullptr;
+  if (bad == nullptr) bad = &local_bad;
+  errno = 0;
+  int ret = ibv_post_srq_recv(core_->srq, wr, bad);
+  if (ret == 0) return absl::OkStatus();
+  int err = VerbsErrno(ret, errno);
+  int index = 0;
+  for (ibv_recv_wr* w = wr; w != nullptr && w != *bad; w = w->next) ++index;
+  return ErrnoStatus(
+      err, absl::StrFormat("ibv_post_srq_recv on SRQ (handle %u, %s) failed "
+                           "at WR #%d (wr_id 0x%x)",
+                           core_->srq->handle, core_->pd->dev->name, index,
+                           *bad != nullptr ? (*bad)->wr_id : 0));
+}
+
+// ---------------------------------------------------------------- CQ
+
+absl::Status VerbsCq::RequestNotify() {
+  errno = 0;
+  int ret = ibv_req_notify_cq(core_->cq, 0);
+  if (ret == 0) return absl::OkStatus();
+  return ErrnoStatus(VerbsErrno(ret, errno),
+                     absl::StrFormat("ibv_req_notify_cq on %s",
+                                     core_->dev->name));
+}
+
+int VerbsCq::GetEvents() {
+  int n = 0;
+  for (;;) {
+    ibv_cq* cq = nullptr;
+    void* cq_context = nullptr;
+    // The channel fd is non-blocking: EAGAIN ends the loop.
+    if (ibv_get_cq_event(core_->channel, &cq, &cq_context) != 0) break;
+    ++n;
+    ++core_->unacked;
+  }
+  return n;
+}
+
+void VerbsCq::AckEvents(unsigned n) {
+  // Acking more than was consumed would make ibv_destroy_cq wait forever.
+  if (n > core_->unacked) n = core_->unacked;
+  if (n == 0) return;
+  ibv_ack_cq_events(core_->cq, n);
+  core_->unacked -= n;
+}
+
+// ---------------------------------------------------------------- QP
+
+VerbsQp::VerbsQp(ibv_qp* qp, rdma_cm_id* id, const ibv_qp_cap& cap,
+                 std::shared_ptr<PdCore> pd, std::shared_ptr<CqCore> send_cq,
+                 std::shared_ptr<CqCore> recv_cq,
+                 std::shared_ptr<SrqCore> srq, std::shared_ptr<void> keepalive)
+    : qp_(qp),
+      id_(id),
+      cap_(cap),
+      pd_(std::move(pd)),
+      send_cq_(std::move(send_cq)),
+      recv_cq_(std::move(recv_cq)),
+      srq_(std::move(srq)),
+      keepalive_(std::move(keepalive)) {}
+
+VerbsQp::~VerbsQp() {
+  if (id_ != nullptr) {
+    rdma_destroy_qp(id_);  // ibv_destroy_qp + clears id->qp
+  } else if (int ret = ibv_destroy_qp(qp_); ret != 0) {
+    LogError("ibv_destroy_qp (QP 0x%x) on %s failed: %s", qp_->qp_num,
+             pd_->dev->name.c_str(), std::strerror(VerbsErrno(ret, errno)));
+  }
+  // Members release the CQs, SRQ, PD and the cm ids after the QP is gone.
+}
+
+absl::Status VerbsQp::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
+  ibv_send_wr* local_bad = nullptr;
+  if (bad == nullptr) bad = &local_bad;
+  errno = 0;
+  int ret = ibv_post_send(qp_, wr, bad);
+  if (ret == 0) return absl::OkStatus();
+  int err = VerbsErrno(ret, errno);
+  const ibv_send_wr* failed = *bad != nullptr ? *bad : wr;
+  int index = 0;
+  for (ibv_send_wr* w = wr; w != nullptr && w != failed; w = w->next) ++index;
+  const Device& dev = *pd_->dev;
+  std::string hint;
+  if (failed != nullptr &&
+      (failed->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ||
+       failed->opcode == IBV_WR_SEND_WITH_IMM) &&
+      dev.caps.transport == TransportKind::kIWarp) {
+    hint = "; iWARP has no immediate data (DeviceCaps::write_with_imm and "
+           "send_with_imm are false)";
+  } else if (failed != nullptr && (failed->opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+                                   failed->opcode ==
+                                       IBV_WR_ATOMIC_FETCH_AND_ADD) &&
+             !dev.caps.atomics) {
+    hint = "; the device has no atomics (DeviceCaps::atomics is false)";
+  } else if (err == ENOMEM) {
+    hint = absl::StrFormat("; the send queue holds %u WRs", cap_.max_send_wr);
+  } else if (failed != nullptr && (failed->send_flags & IBV_SEND_INLINE)) {
+    hint = absl::StrFormat("; inline limit of this QP is %u bytes",
+                           cap_.max_inline_data);
+  }
+  return ErrnoStatus(
+      err,
+      absl::StrFormat("ibv_post_send on QP 0x%x (%s) failed at WR #%d (%s, "
+                      "wr_id 0x%x)%s",
+                      qp_->qp_num, dev.name, index,
+                      failed != nullptr ? WrOpcodeName(failed->opcode) : "?",
+                      failed != nullptr ? failed->wr_id : 0, hint));
+}
+
+absl::Status VerbsQp::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  ibv_recv_wr* local_bad = nullptr;
+  if (bad == nullptr) bad = &local_bad;
+  errno = 0;
+  int ret = ibv_post_recv(qp_, wr, bad);
+  if (ret == 0) return absl::OkStatus();
+  int err = VerbsErrno(ret, errno);
+  const ibv_recv_wr* failed = *bad != nullptr ? *bad : wr;
+  int index = 0;
+  for (ibv_recv_wr* w = wr; w != nullptr && w != failed; w = w->next) ++index;
+  std::string hint;
+  if (srq_ != nullptr) {
+    hint = "; this QP uses an SRQ: post receives to the SRQ";
+  } else if (err == ENOMEM) {
+    hint = absl::StrFormat("; the receive queue holds %u WRs",
+                           cap_.max_recv_wr);
+  }
+  return ErrnoStatus(
+      err, absl::StrFormat(
+               "ibv_post_recv on QP 0x%x (%s) failed at WR #%d (RECV, wr_id "
+               "0x%x)%s",
+               qp_->qp_num, pd_->dev->name, index,
+               failed != nullptr ? failed->wr_id : 0, hint));
+}
+
+absl::Status VerbsQp::SetError() {
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  errno = 0;
+  int ret = ibv_modify_qp(qp_, &attr, IBV_QP_STATE);
+  if (ret == 0) return absl::OkStatus();
+  return ErrnoStatus(VerbsErrno(ret, errno),
+                     absl::StrFormat("ibv_modify_qp(IBV_QPS_ERR) on QP 0x%x (%s)",
+                                     qp_->qp_num, pd_->dev->name));
+}
+
+ibv_qp_state VerbsQp::state() const {
+  ibv_qp_attr attr{};
+  ibv_qp_init_attr init{};
+  if (ibv_query_qp(qp_, &attr, IBV_QP_STATE, &init) != 0) {
+    return IBV_QPS_UNKNOWN;
+  }
+  return attr.qp_state;
+}
+
+absl::Status SetMinRnrTimer(VerbsQp& qp, uint8_t min_rnr_timer) {
+  if (qp.device().caps.transport == TransportKind::kIWarp) {
+    return absl::OkStatus();  // TCP below: no RNR NAKs
+  }
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RTS;
+  attr.min_rnr_timer = min_rnr_timer;
+  errno = 0;
+  int ret = ibv_modify_qp(qp.qp(), &attr, IBV_QP_STATE | IBV_QP_MIN_RNR_TIMER);
+  if (ret == 0) return absl::OkStatus();
+  return ErrnoStatus(
+      VerbsErrno(ret, errno),
+      absl::StrFormat("ibv_modify_qp(RTS->RTS, min_rnr_timer=%u) on QP 0x%x "
+                      "(%s)",
+                      min_rnr_timer, qp.qp_num(), qp.device().name));
+}
+
+absl::StatusOr<std::unique_ptr<VerbsQp>> CreateCmQp(
+    rdma_cm_id* id, ProviderPd* pd, const QpInit& init,
+    std::shared_ptr<void> keepalive, std::string_view side) {
+  auto* vpd = dynamic_cast<VerbsPd*>(pd);
+  auto* send_cq = dynamic_cast<VerbsCq*>(init.send_cq);
+  auto* recv_cq = dynamic_cast<VerbsCq*>(init.recv_cq);
+  auto* srq = init.srq != nullptr ? dynamic_cast<VerbsSrq*>(init.srq) : nullptr;
+  if (vpd == nullptr || send_cq == nullptr || recv_cq == nullptr ||
+      (init.srq != nullptr && srq == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "QP %s: the PD, send_cq, recv_cq (and srq) must be objects of the "
+        "verbs provider, non-null",
+        side));
+  }
+  const Device& dev = *vpd->core()->dev;
+  if (id->verbs != dev.ctx || send_cq->core()->dev->ctx != dev.ctx ||
+      recv_cq->core()->dev->ctx != dev.ctx ||
+      (srq != nullptr && srq->core()->pd->dev->ctx != dev.ctx)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "QP %s: the rdma_cm id is on device %s but the PD is on %s, send_cq on "
+        "%s, recv_cq on %s%s: all must be on the id's device (open a provider "
+        "on that device)",
+        side,
+        id->verbs != nullptr ? ibv_get_device_name(id->verbs->device)
+                             : "(none)",
+        dev.name, send_cq->core()->dev->name, recv_cq->core()->dev->name,
+        srq != nullptr ? ", srq on " + srq->core()->pd->dev->name : ""));
+  }
+  ibv_qp_init_attr attr{};
+  attr.send_cq = send_cq->core()->cq;
+  attr.recv_cq = recv_cq->core()->cq;
+  attr.srq = srq != nullptr ? srq->core()->srq : nullptr;
+  attr.qp_type = IBV_QPT_RC;
+  attr.sq_sig_all = init.sq_sig_all ? 1 : 0;
+  attr.cap.max_send_wr = init.max_send_wr;
+  attr.cap.max_recv_wr = srq != nullptr ? 0 : init.max_recv_wr;
+  attr.cap.max_send_sge = init.max_send_sge;
+  attr.cap.max_recv_sge = srq != nullptr ? 0 : init.max_recv_sge;
+  attr.cap.max_inline_data = init.max_inline_data;
+  errno = 0;
+  if (rdma_create_qp(id, vpd->core()->pd, &attr) != 0) {
+    int err = errno != 0 ? errno : EINVAL;
+    return ErrnoStatus(
+        err,
+        absl::StrFormat(
+            "rdma_create_qp (side %s) on %s: requested send_wr=%u recv_wr=%u "
+            "send_sge=%u recv_sge=%u inline=%u%s; device max_qp_wr=%d "
+            "max_sge=%d max_inline_data=%u",
+            side, dev.name, init.max_send_wr, init.max_recv_wr,
+            init.max_send_sge, init.max_recv_sge, init.max_inline_data,
+            srq != nullptr ? " (with SRQ)" : "", dev.attr.max_qp_wr,
+            dev.attr.max_sge, dev.caps.max_inline_data));
+  }
+  std::shared_ptr<SrqCore> srq_core;
+  if (srq != nullptr) srq_core = srq->core();
+  return std::make_unique<VerbsQp>(id->qp, id, attr.cap, vpd->core(),
+                                   send_cq->core(), recv_cq->core(),
+                                   std::move(srq_core), std::move(keepalive));
+}
+
+}  // namespace coverbs::transport::verbs_internal
