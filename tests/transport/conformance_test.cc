@@ -77,6 +77,15 @@ ibv_wc_status StatusOf(const absl::Status& s) {
 class ConformanceTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    // Inside the VM harness, the two ends' addresses come from the guest.
+    if (std::getenv("COVERBS_TEST_ADDR") == nullptr) {
+      if (const char* a = std::getenv("COVERBS_VM_ADDR_A")) {
+        setenv("COVERBS_TEST_ADDR", a, 1);
+      }
+      if (const char* b = std::getenv("COVERBS_VM_ADDR_B")) {
+        setenv("COVERBS_TEST_PEER_ADDR", b, 1);
+      }
+    }
     auto r = Reactor::Create();
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
@@ -147,7 +156,7 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
 
   // Runs a task on the reactor, bounded so that a bug fails instead of hangs.
   template <typename T>
-  auto Run(Task<T> t) {
+  typename coverbs::internal::TimeoutResult<T>::type Run(Task<T> t) {
     return reactor_->BlockOn(WithTimeout(std::move(t), absl::Seconds(30)));
   }
 
