@@ -951,7 +951,11 @@ void QpCore::CompleteWqe(uint64_t i, uint8_t status) {
   SendWqe& w = Wqe(i);
   if (IsRdAtomic(w) && i < send_ptr_ && rd_atomic_out_ > 0) --rd_atomic_out_;
   ++comp_ptr_;
-  if (status != IBV_WC_SUCCESS || w.signaled) PushSendWc(w, status);
+  if (status != IBV_WC_SUCCESS || w.signaled) {
+    // The slots are free before the poster can see the completion.
+    PublishTail();
+    PushSendWc(w, status);
+  }
 }
 
 bool QpCore::AckBefore(uint64_t end) {
