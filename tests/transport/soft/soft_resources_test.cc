@@ -1,6 +1,8 @@
 // Completion channels, CQ overrun, memory registration rules, object
 // validation and the progress engine's life cycle.
 #include <poll.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -231,6 +233,57 @@ TEST_F(SoftResourcesTest, UnackedEventsAreTracked) {
   // Destroying a CQ with unacknowledged events is allowed for soft.
   pair_ = QpPair();
   cq_b_.reset();
+}
+
+
+// Deregistration is synchronous even while data is landing: the region is
+// unmapped right after its MR is gone, so any later access by the provider
+// would crash the test (or fail the transfer with EFAULT).
+TEST_F(SoftResourcesTest, DeregisterWhileWriteLands) {
+  constexpr size_t kSize = 32 << 20;
+  std::vector<char> src(kSize, 'w');
+  auto smr = Reg(pd_a_.get(), src.data(), kSize);
+  for (int round = 0; round < 6; ++round) {
+    Connect();
+    void* p = mmap(nullptr, kSize, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    auto dmr = Reg(pd_b_.get(), p, kSize);
+    ibv_sge s = Sge(src.data(), kSize, smr->lkey());
+    ASSERT_TRUE(PostSend1(a(), 1, IBV_WR_RDMA_WRITE, &s, 1,
+                          IBV_SEND_SIGNALED,
+                          reinterpret_cast<uintptr_t>(p), dmr->rkey())
+                    .ok());
+    std::this_thread::sleep_for(std::chrono::microseconds(round * 700));
+    dmr.reset();
+    ASSERT_EQ(munmap(p, kSize), 0);
+    ibv_wc w = PollOne(cq_a_.get());
+    EXPECT_TRUE(w.status == IBV_WC_SUCCESS ||
+                w.status == IBV_WC_REM_ACCESS_ERR)
+        << ibv_wc_status_str(w.status);
+    pair_ = QpPair();
+  }
+}
+
+double CpuSeconds() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
+         (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+// An idle progress thread sleeps (idle CPU ~0), also with QPs connected and
+// receives posted.
+TEST_F(SoftResourcesTest, IdleProgressThreadSleeps) {
+  Connect();
+  std::vector<char> buf(64);
+  auto mr = Reg(pd_a_.get(), buf.data(), 64);
+  ibv_sge r = Sge(buf.data(), 64, mr->lkey());
+  ASSERT_TRUE(PostRecv1(a(), 1, &r, 1).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  double before = CpuSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LT(CpuSeconds() - before, 0.05);
 }
 
 }  // namespace
