@@ -13,7 +13,6 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/notification.h"
 
 namespace coverbs::transport::soft {
 namespace {
@@ -171,12 +170,17 @@ void Engine::Post(absl::AnyInvocable<void()> fn) {
 }
 
 void Engine::RunSync(absl::AnyInvocable<void()> fn) {
-  absl::Notification done;
-  Post([&fn, &done] {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Post([&] {
     fn();
-    done.Notify();
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+    cv.notify_one();
   });
-  done.WaitForNotification();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
 }
 
 void Engine::AddConn(std::shared_ptr<QpCore> qp) {

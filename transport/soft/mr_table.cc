@@ -3,6 +3,7 @@
 #include <infiniband/verbs.h>
 
 #include <chrono>
+#include <mutex>
 #include <random>
 
 #include "absl/strings/str_format.h"
@@ -78,7 +79,7 @@ absl::StatusOr<std::shared_ptr<MrEntry>> MrTable::Register(uint64_t pd_id,
   mr->length = length;
   mr->access = access;
   mr->pd_id = pd_id;
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   mr->lkey = NextKey();
   lkeys_.emplace(mr->lkey, mr);
   mr->rkey = NextKey();
@@ -88,7 +89,7 @@ absl::StatusOr<std::shared_ptr<MrEntry>> MrTable::Register(uint64_t pd_id,
 
 void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::shared_mutex> lock(mu_);
     lkeys_.erase(mr->lkey);
     rkeys_.erase(mr->rkey);
   }
@@ -97,13 +98,11 @@ void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindLkey(uint32_t key) const {
-  t_.mu_.AssertReaderHeld();
   auto it = t_.lkeys_.find(key);
   return it == t_.lkeys_.end() ? nullptr : &it->second;
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindRkey(uint32_t key) const {
-  t_.mu_.AssertReaderHeld();
   auto it = t_.rkeys_.find(key);
   return it == t_.rkeys_.end() ? nullptr : &it->second;
 }

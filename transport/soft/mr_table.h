@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <memory>
 
-#include "absl/base/thread_annotations.h"
+#include <shared_mutex>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 
 namespace coverbs::transport::soft {
 
@@ -49,10 +49,10 @@ class MrTable {
   // Lookups (nullptr when absent). Lock the table once for a batch.
   class Reader {
    public:
-    explicit Reader(MrTable& t) ABSL_SHARED_LOCK_FUNCTION(t.mu_) : t_(t) {
-      t_.mu_.ReaderLock();
-    }
-    ~Reader() ABSL_UNLOCK_FUNCTION() { t_.mu_.ReaderUnlock(); }
+    explicit Reader(MrTable& t) : t_(t) { t_.mu_.lock_shared(); }
+    ~Reader() { t_.mu_.unlock_shared(); }
+    Reader(const Reader&) = delete;
+    Reader& operator=(const Reader&) = delete;
     const std::shared_ptr<MrEntry>* FindLkey(uint32_t key) const;
     const std::shared_ptr<MrEntry>* FindRkey(uint32_t key) const;
 
@@ -62,14 +62,14 @@ class MrTable {
 
  private:
   MrTable();
-  uint32_t NextKey() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint32_t NextKey();  // mu_ held exclusively
 
-  absl::Mutex mu_;
-  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> lkeys_
-      ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> rkeys_
-      ABSL_GUARDED_BY(mu_);
-  uint32_t counter_ ABSL_GUARDED_BY(mu_);
+  // std (pthread) locks rather than absl::Mutex: the system's prebuilt absl is
+  // not instrumented for ThreadSanitizer.
+  std::shared_mutex mu_;
+  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> lkeys_;  // mu_
+  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> rkeys_;  // mu_
+  uint32_t counter_;                                               // mu_
 };
 
 // The progress thread's data-path access window. The progress thread calls

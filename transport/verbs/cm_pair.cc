@@ -77,22 +77,35 @@ int TimeoutMsFromEnv() {
 // channel. Every QP of the pair holds a reference, so it goes last whatever
 // the order in which QpPair's members are destroyed. Teardown order:
 //   1. the QPs (rdma_destroy_qp, in ~VerbsQp), while the ids still exist;
-//   2. rdma_disconnect on b then a (non-blocking on an async channel; errors
+//   2. Close(): a connection request never accepted is rejected; then
+//      rdma_disconnect on b and a (non-blocking on an async channel; errors
 //      ignored: the connection may never have been established);
-//   3. rdma_destroy_id: b, a, then the listening id; every event we retrieved
-//      was acked already, so none of these waits;
+//   3. rdma_destroy_id: a, b, then the listening id; every event we retrieved
+//      was acked already, so none of these waits for an ack;
 //   4. rdma_destroy_event_channel.
+// When CreateConnectedPair fails half-way, Close() runs *before* the QPs are
+// destroyed: siw's ibv_destroy_qp waits ~10 s for a connection attempt still
+// in flight to time out, unless the attempt was ended first.
 struct CmState {
   rdma_event_channel* channel = nullptr;
   rdma_cm_id* listen = nullptr;
   rdma_cm_id* a = nullptr;  // passive, from CONNECT_REQUEST
   rdma_cm_id* b = nullptr;  // active
+  bool a_accepted = false;
+  bool closed = false;
   std::vector<rdma_cm_id*> extra;  // unexpected connection requests
 
-  ~CmState() {
+  void Close() {
+    if (closed) return;
+    closed = true;
+    if (a != nullptr && !a_accepted) rdma_reject(a, nullptr, 0);
     if (b != nullptr) rdma_disconnect(b);
-    if (a != nullptr) rdma_disconnect(a);
-    for (rdma_cm_id* id : {b, a}) {
+    if (a != nullptr && a_accepted) rdma_disconnect(a);
+  }
+
+  ~CmState() {
+    Close();
+    for (rdma_cm_id* id : {a, b}) {
       if (id != nullptr) rdma_destroy_id(id);
     }
     for (rdma_cm_id* id : extra) rdma_destroy_id(id);
@@ -107,9 +120,10 @@ struct EventGuard {
   ~EventGuard() { rdma_ack_cm_event(ev); }
 };
 
-absl::Status CmError(std::string_view what, std::string_view stage) {
-  int err = errno != 0 ? errno : EINVAL;
-  return ErrnoStatus(err, absl::StrFormat("%s (while %s)", what, stage));
+// `err`: errno right after the failed call.
+absl::Status CmError(int err, std::string_view what, std::string_view stage) {
+  return ErrnoStatus(err != 0 ? err : EINVAL,
+                     absl::StrFormat("%s (while %s)", what, stage));
 }
 
 absl::StatusOr<rdma_event_channel*> NewChannel() {
@@ -237,12 +251,14 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
   // Passive side: bind and listen on port 0 (any free port).
   errno = 0;
   if (rdma_create_id(state->channel, &state->listen, nullptr, RDMA_PS_TCP)) {
-    return CmError("rdma_create_id", "creating the listening id");
+    const int err = errno;
+    return CmError(err, "rdma_create_id", "creating the listening id");
   }
   if (rdma_bind_addr(state->listen, Sa(listen_addr)) != 0) {
-    return CmError(absl::StrFormat("rdma_bind_addr(%s) [%s]", where,
-                                   addrs.origin),
-                   "binding the listening id");
+    const int err = errno;
+    return CmError(
+        err, absl::StrFormat("rdma_bind_addr(%s) [%s]", where, addrs.origin),
+        "binding the listening id");
   }
   if (state->listen->verbs != nullptr && state->listen->verbs != dev_a.ctx) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -250,14 +266,16 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         addrs.origin, CtxName(state->listen->verbs), dev_a.name));
   }
   if (rdma_listen(state->listen, 4) != 0) {
-    return CmError(absl::StrFormat("rdma_listen(%s)", where), "listening");
+    const int err = errno;
+    return CmError(err, absl::StrFormat("rdma_listen(%s)", where), "listening");
   }
   SetPort(listen_addr, rdma_get_src_port(state->listen));
   const std::string dst = SockaddrToString(Sa(listen_addr));
 
   // Active side: resolve address, then route, then connect.
   if (rdma_create_id(state->channel, &state->b, nullptr, RDMA_PS_TCP) != 0) {
-    return CmError("rdma_create_id", "creating the active id");
+    const int err = errno;
+    return CmError(err, "rdma_create_id", "creating the active id");
   }
   using Clock = std::chrono::steady_clock;
   const Clock::time_point deadline =
@@ -271,15 +289,24 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
   if (addrs.src.has_value()) src = *addrs.src;
   if (rdma_resolve_addr(state->b, addrs.src.has_value() ? Sa(src) : nullptr,
                         Sa(listen_addr), std::max(1, remaining_ms())) != 0) {
-    return CmError(absl::StrFormat("rdma_resolve_addr(%s -> %s)",
-                                   addrs.src.has_value()
-                                       ? SockaddrToString(Sa(src))
-                                       : "any",
-                                   dst),
-                   "resolving the address");
+    const int err = errno;
+    return CmError(
+        err,
+        absl::StrFormat(
+            "rdma_resolve_addr(%s -> %s)",
+            addrs.src.has_value() ? SockaddrToString(Sa(src)) : "any", dst),
+        "resolving the address");
   }
 
   std::unique_ptr<VerbsQp> qp_a, qp_b;
+  // On failure, end the connection attempt before qp_a/qp_b are destroyed
+  // (declared after them, so destroyed first).
+  struct CloseOnFailure {
+    CmState* state;
+    ~CloseOnFailure() {
+      if (state != nullptr) state->Close();
+    }
+  } close_on_failure{state.get()};
   bool est_a = false, est_b = false;
   std::string stage = "resolving the address of " + dst;
   auto conn_param = [](const QpInit& init) {
@@ -294,9 +321,10 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
     if (!ib_cm) return absl::OkStatus();  // TCP timers on iWARP
     if (rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT,
                         &timeout, sizeof(timeout)) != 0) {
-      return CmError(absl::StrFormat("rdma_set_option(ACK_TIMEOUT=%u)",
-                                     timeout),
-                     stage);
+      const int err = errno;
+      return CmError(
+          err, absl::StrFormat("rdma_set_option(ACK_TIMEOUT=%u)", timeout),
+          stage);
     }
     return absl::OkStatus();
   };
@@ -306,7 +334,8 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
     errno = 0;
     if (rdma_get_cm_event(state->channel, &ev) != 0) {
       if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return CmError("rdma_get_cm_event", stage);
+        const int err = errno;
+        return CmError(err, "rdma_get_cm_event", stage);
       }
       int left = remaining_ms();
       if (left == 0) {
@@ -327,7 +356,8 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
       case RDMA_CM_EVENT_ADDR_RESOLVED: {
         stage = "resolving the route to " + dst;
         if (rdma_resolve_route(state->b, std::max(1, remaining_ms())) != 0) {
-          return CmError("rdma_resolve_route", stage);
+          const int err = errno;
+          return CmError(err, "rdma_resolve_route", stage);
         }
         break;
       }
@@ -341,7 +371,8 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         qp_b = std::move(*qp);
         rdma_conn_param p = conn_param(init_b);
         if (rdma_connect(state->b, &p) != 0) {
-          return CmError("rdma_connect", stage);
+          const int err = errno;
+          return CmError(err, "rdma_connect", stage);
         }
         break;
       }
@@ -362,8 +393,10 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         qp_a = std::move(*qp);
         rdma_conn_param p = conn_param(init_a);
         if (rdma_accept(state->a, &p) != 0) {
-          return CmError("rdma_accept", stage);
+          const int err = errno;
+          return CmError(err, "rdma_accept", stage);
         }
+        state->a_accepted = true;
         break;
       }
       case RDMA_CM_EVENT_ESTABLISHED:
@@ -386,8 +419,8 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         if (type == RDMA_CM_EVENT_REJECTED) {
           detail = absl::StrFormat("reject reason %d", status);
         } else if (status < 0) {
-          detail = absl::StrFormat("%s (status %d)", std::strerror(-status),
-                                   status);
+          detail =
+              absl::StrFormat("%s (status %d)", std::strerror(-status), status);
         } else {
           detail = absl::StrFormat("status %d", status);
         }
@@ -409,11 +442,9 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
     }
   }
 
-  // IB CM connects with min_rnr_timer 0 (655 ms); set what was asked.
-  if (ib_cm) {
-    if (auto s = SetMinRnrTimer(*qp_a, init_a.min_rnr_timer); !s.ok()) return s;
-    if (auto s = SetMinRnrTimer(*qp_b, init_b.min_rnr_timer); !s.ok()) return s;
-  }
+  // IB CM connects with min_rnr_timer 0 (655 ms): set what was asked.
+  if (auto s = FinishEstablished(*qp_a, init_a); !s.ok()) return s;
+  if (auto s = FinishEstablished(*qp_b, init_b); !s.ok()) return s;
   for (VerbsQp* qp : {qp_a.get(), qp_b.get()}) {
     if (ibv_qp_state st = qp->state(); st != IBV_QPS_RTS) {
       return absl::InternalError(absl::StrFormat(
@@ -422,6 +453,7 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
           qp->qp_num(), static_cast<int>(st)));
     }
   }
+  close_on_failure.state = nullptr;  // connected
   QpPair pair;
   pair.a = std::move(qp_a);
   pair.b = std::move(qp_b);

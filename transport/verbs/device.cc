@@ -76,8 +76,8 @@ std::vector<GidInfo> ReadGidTable(const Device& dev) {
       return out;
     }
   }
-  const std::string base = absl::StrFormat("/sys/class/infiniband/%s/ports/%d",
-                                           dev.name, dev.port);
+  const std::string base =
+      absl::StrFormat("/sys/class/infiniband/%s/ports/%d", dev.name, dev.port);
   for (int i = 0; i < dev.port_attr.gid_tbl_len; ++i) {
     GidInfo g;
     g.index = i;
@@ -186,8 +186,8 @@ uint32_t ProbeMaxInline(const Device& dev) {
 
   uint32_t result = 0;
   ibv_pd* pd = ibv_alloc_pd(dev.ctx);
-  ibv_cq* cq = pd != nullptr ? ibv_create_cq(dev.ctx, 4, nullptr, nullptr, 0)
-                             : nullptr;
+  ibv_cq* cq =
+      pd != nullptr ? ibv_create_cq(dev.ctx, 4, nullptr, nullptr, 0) : nullptr;
   if (pd != nullptr && cq != nullptr) {
     uint32_t got = 0;
     constexpr uint32_t kMax = 4096;
@@ -282,9 +282,8 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   }
 
   // 3. Pick the device and port.
-  const std::string want = options.device.empty()
-                               ? EnvOr("COVERBS_DEVICE", "")
-                               : options.device;
+  const std::string want =
+      options.device.empty() ? EnvOr("COVERBS_DEVICE", "") : options.device;
   auto dev = std::make_shared<Device>();
   std::vector<std::string> seen;
   for (int i = 0; i < cm_num && dev->ctx == nullptr; ++i) {
@@ -295,8 +294,8 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
     ibv_device_attr attr{};
     if (int ret = ibv_query_device(ctx, &attr); ret != 0) {
       if (!want.empty()) {
-        return ErrnoStatus(VerbsErrno(ret, errno),
-                           absl::StrCat("ibv_query_device on ", name));
+        const int err = VerbsErrno(ret, errno);
+        return ErrnoStatus(err, absl::StrCat("ibv_query_device on ", name));
       }
       continue;
     }
@@ -312,9 +311,9 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
           port_attr.state == IBV_PORT_ACTIVE) {
         port = options.port;
       } else if (!want.empty()) {
-        return absl::UnavailableError(absl::StrFormat(
-            "%s port %d is not ACTIVE (%s)", name, options.port,
-            PortStates(ctx)));
+        return absl::UnavailableError(
+            absl::StrFormat("%s port %d is not ACTIVE (%s)", name, options.port,
+                            PortStates(ctx)));
       }
     } else {
       for (int p = 1; p <= attr.phys_port_cnt; ++p) {
@@ -355,7 +354,8 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   caps.device_name = dev->name;
   caps.port = dev->port;
   const ibv_device* d = dev->ctx->device;
-  if (d->transport_type == IBV_TRANSPORT_IWARP || d->node_type == IBV_NODE_RNIC) {
+  if (d->transport_type == IBV_TRANSPORT_IWARP ||
+      d->node_type == IBV_NODE_RNIC) {
     caps.transport = TransportKind::kIWarp;
   } else if (dev->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET) {
     caps.transport = TransportKind::kRoCE;
@@ -376,6 +376,9 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   caps.send_with_imm = !iwarp;
   caps.active_side_sends_first = iwarp;
   caps.gid_index = -1;
+  constexpr uint32_t kSiwVendorId = 0x626d74;  // "bmt": SoftiWARP
+  dev->posts_after_error_unflushed =
+      iwarp && dev->attr.vendor_id == kSiwVendorId;
   if (caps.transport == TransportKind::kRoCE) {
     if (absl::Status s = ChooseGid(*dev, options); !s.ok()) return s;
   }
@@ -386,9 +389,10 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   // process: whoever reads an event consumes it.
   int fl = fcntl(dev->ctx->async_fd, F_GETFL);
   if (fl < 0 || fcntl(dev->ctx->async_fd, F_SETFL, fl | O_NONBLOCK) < 0) {
-    return ErrnoStatus(errno, absl::StrCat("fcntl(O_NONBLOCK) on the async "
-                                           "event fd of ",
-                                           dev->name));
+    const int err = errno;
+    return ErrnoStatus(
+        err,
+        absl::StrCat("fcntl(O_NONBLOCK) on the async event fd of ", dev->name));
   }
   return dev;
 }
@@ -445,9 +449,9 @@ std::string Bytes(unsigned long long n) {
 
 absl::Status RegMrError(int err, const Device& dev, void* addr, size_t length,
                         int access) {
-  const std::string what = absl::StrFormat(
-      "ibv_reg_mr(addr=%p, length=%zu, access=0x%x) on %s", addr, length,
-      access, dev.name);
+  const std::string what =
+      absl::StrFormat("ibv_reg_mr(addr=%p, length=%zu, access=0x%x) on %s",
+                      addr, length, access, dev.name);
   if (err == ENOMEM || err == EPERM || err == EFAULT) {
     rlimit rl{};
     if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&

@@ -8,12 +8,16 @@
 #include <rdma/rdma_cma.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -41,6 +45,8 @@ std::string SockaddrToString(const sockaddr* sa);
 // Prints to stderr; for failures in destructors, which cannot return them.
 void LogError(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
+class VerbsQp;
+
 // ---------------------------------------------------------------- objects
 // Each object holds shared ownership of what it depends on, so the verbs
 // objects are destroyed children first whatever the order in which the C++
@@ -63,6 +69,28 @@ struct Device {
   std::optional<in_addr> gid_ipv4;
   uint32_t ndev_ifindex = 0;
 
+  // Set once a connected QP's ibv_query_qp said RESET (siw before Linux
+  // 6.x never fills in qp_state): from then on VerbsQp::state() answers from
+  // what the provider saw (connected, SetError, error completions polled from
+  // its CQs, QP async events).
+  std::atomic<bool> qp_state_unreliable{false};
+  // SoftiWARP (siw): WRs posted by user space to a QP already in error are
+  // never flushed (the kernel flushes only at the transition to ERROR, and
+  // only what was posted before). The provider completes them itself with
+  // IBV_WC_WR_FLUSH_ERR once it knows the QP is in error.
+  bool posts_after_error_unflushed = false;
+  // Poll notes failed completions (and GetAsyncEvent QP errors) in the QPs'
+  // known state: needed when either of the above is set.
+  bool TrackQpErrors() const {
+    return posts_after_error_unflushed ||
+           qp_state_unreliable.load(std::memory_order_relaxed);
+  }
+  std::mutex qps_mu;
+  std::unordered_map<uint32_t, VerbsQp*> qps;  // live QPs by number
+  // Marks the QPs of failed completions as in error.
+  void NoteCompletions(const ibv_wc* wc, int n);
+  void NoteQpError(uint32_t qp_num);
+
   Device() = default;
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
@@ -82,6 +110,14 @@ struct CqCore {
   // Channel events consumed (ibv_get_cq_event) and not yet acknowledged: acked
   // before ibv_destroy_cq, which otherwise waits for them forever.
   unsigned unacked = 0;
+  // Flush completions made by the provider (see
+  // Device::posts_after_error_unflushed), returned by Poll after the
+  // device's own.
+  std::mutex synthetic_mu;
+  std::deque<ibv_wc> synthetic;
+  std::atomic<size_t> synthetic_count{0};
+  void AddSynthetic(const ibv_wc& wc);
+  int TakeSynthetic(int n, ibv_wc* wc);
   ~CqCore();
 };
 
@@ -109,7 +145,17 @@ class VerbsCq : public ProviderCq {
   explicit VerbsCq(std::shared_ptr<CqCore> core) : core_(std::move(core)) {}
   int fd() const override { return core_->channel->fd; }
   int capacity() const override { return core_->cq->cqe; }
-  int Poll(int n, ibv_wc* wc) override { return ibv_poll_cq(core_->cq, n, wc); }
+  int Poll(int n, ibv_wc* wc) override {
+    int got = ibv_poll_cq(core_->cq, n, wc);
+    if (got > 0 && core_->dev->TrackQpErrors()) {
+      core_->dev->NoteCompletions(wc, got);
+    }
+    if (got >= 0 && got < n &&
+        core_->synthetic_count.load(std::memory_order_acquire) != 0) {
+      got += core_->TakeSynthetic(n - got, wc + got);
+    }
+    return got;
+  }
   absl::Status RequestNotify() override;
   int GetEvents() override;
   void AckEvents(unsigned n) override;
@@ -149,9 +195,22 @@ class VerbsQp : public ProviderQp {
   ibv_qp_state state() const override;
 
   ibv_qp* qp() const { return qp_; }
-  const Device& device() const { return *pd_->dev; }
+  Device& device() const { return *pd_->dev; }
+  // What the provider knows of the state, for devices that do not report it.
+  void set_known_state(ibv_qp_state s) {
+    known_state_.store(s, std::memory_order_relaxed);
+  }
 
  private:
+  // Moves the QP to IBV_QPS_ERR (again): rxe flushes receives only at that
+  // transition, not those posted while already in error.
+  int ModifyToError();
+  // Whether to complete posts locally with flush errors (siw, QP in error).
+  bool FlushLocally() const {
+    return pd_->dev->posts_after_error_unflushed &&
+           known_state_.load(std::memory_order_relaxed) == IBV_QPS_ERR;
+  }
+
   ibv_qp* qp_;
   rdma_cm_id* id_;
   ibv_qp_cap cap_;
@@ -160,6 +219,10 @@ class VerbsQp : public ProviderQp {
   std::shared_ptr<CqCore> recv_cq_;
   std::shared_ptr<SrqCore> srq_;
   std::shared_ptr<void> keepalive_;
+  // Set by SetError(): every later post re-issues the transition to ERR so
+  // that what it posted is flushed on every device.
+  bool reflush_ = false;
+  std::atomic<ibv_qp_state> known_state_{IBV_QPS_INIT};
 };
 
 // ---------------------------------------------------------------- device.cc
@@ -182,7 +245,8 @@ absl::StatusOr<std::unique_ptr<VerbsQp>> CreateCmQp(
     rdma_cm_id* id, ProviderPd* pd, const QpInit& init,
     std::shared_ptr<void> keepalive, std::string_view side);
 
-absl::Status SetMinRnrTimer(VerbsQp& qp, uint8_t min_rnr_timer);
+// See FinishEstablishedQp in verbs_provider.h.
+absl::Status FinishEstablished(VerbsQp& qp, const QpInit& init);
 
 // ---------------------------------------------------------------- cm_pair.cc
 

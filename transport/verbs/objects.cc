@@ -28,34 +28,50 @@ int VerbsErrno(int ret, int saved_errno) {
 }
 
 absl::Status ErrnoStatus(int err, std::string_view what) {
-  return absl::Status(absl::ErrnoToStatusCode(err),
-                      absl::StrFormat("%s: %s (errno %d)", what,
-                                      std::strerror(err), err));
+  return absl::Status(
+      absl::ErrnoToStatusCode(err),
+      absl::StrFormat("%s: %s (errno %d)", what, std::strerror(err), err));
 }
 
 const char* WrOpcodeName(ibv_wr_opcode op) {
   switch (op) {
-    case IBV_WR_SEND: return "SEND";
-    case IBV_WR_SEND_WITH_IMM: return "SEND_WITH_IMM";
-    case IBV_WR_SEND_WITH_INV: return "SEND_WITH_INV";
-    case IBV_WR_RDMA_WRITE: return "RDMA_WRITE";
-    case IBV_WR_RDMA_WRITE_WITH_IMM: return "RDMA_WRITE_WITH_IMM";
-    case IBV_WR_RDMA_READ: return "RDMA_READ";
-    case IBV_WR_ATOMIC_CMP_AND_SWP: return "ATOMIC_CMP_AND_SWP";
-    case IBV_WR_ATOMIC_FETCH_AND_ADD: return "ATOMIC_FETCH_AND_ADD";
-    case IBV_WR_LOCAL_INV: return "LOCAL_INV";
-    case IBV_WR_BIND_MW: return "BIND_MW";
-    case IBV_WR_TSO: return "TSO";
-    default: return "UNKNOWN_OPCODE";
+    case IBV_WR_SEND:
+      return "SEND";
+    case IBV_WR_SEND_WITH_IMM:
+      return "SEND_WITH_IMM";
+    case IBV_WR_SEND_WITH_INV:
+      return "SEND_WITH_INV";
+    case IBV_WR_RDMA_WRITE:
+      return "RDMA_WRITE";
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return "RDMA_WRITE_WITH_IMM";
+    case IBV_WR_RDMA_READ:
+      return "RDMA_READ";
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return "ATOMIC_CMP_AND_SWP";
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return "ATOMIC_FETCH_AND_ADD";
+    case IBV_WR_LOCAL_INV:
+      return "LOCAL_INV";
+    case IBV_WR_BIND_MW:
+      return "BIND_MW";
+    case IBV_WR_TSO:
+      return "TSO";
+    default:
+      return "UNKNOWN_OPCODE";
   }
 }
 
 const char* TransportName(TransportKind k) {
   switch (k) {
-    case TransportKind::kInfiniBand: return "InfiniBand";
-    case TransportKind::kRoCE: return "RoCE";
-    case TransportKind::kIWarp: return "iWARP";
-    case TransportKind::kSoft: return "soft";
+    case TransportKind::kInfiniBand:
+      return "InfiniBand";
+    case TransportKind::kRoCE:
+      return "RoCE";
+    case TransportKind::kIWarp:
+      return "iWARP";
+    case TransportKind::kSoft:
+      return "soft";
   }
   return "?";
 }
@@ -111,6 +127,19 @@ void LogError(const char* fmt, ...) {
 
 // ---------------------------------------------------------------- cores
 
+void Device::NoteCompletions(const ibv_wc* wc, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (wc[i].status != IBV_WC_SUCCESS) NoteQpError(wc[i].qp_num);
+  }
+}
+
+void Device::NoteQpError(uint32_t qp_num) {
+  std::lock_guard<std::mutex> lock(qps_mu);
+  if (auto it = qps.find(qp_num); it != qps.end()) {
+    it->second->set_known_state(IBV_QPS_ERR);
+  }
+}
+
 Device::~Device() {
   // Everything created on ctx is gone (it all holds a reference to us).
   if (list != nullptr) rdma_free_devices(list);
@@ -140,6 +169,23 @@ CqCore::~CqCore() {
                std::strerror(VerbsErrno(ret, errno)));
     }
   }
+}
+
+void CqCore::AddSynthetic(const ibv_wc& wc) {
+  std::lock_guard<std::mutex> lock(synthetic_mu);
+  synthetic.push_back(wc);
+  synthetic_count.store(synthetic.size(), std::memory_order_release);
+}
+
+int CqCore::TakeSynthetic(int n, ibv_wc* wc) {
+  std::lock_guard<std::mutex> lock(synthetic_mu);
+  int taken = 0;
+  while (taken < n && !synthetic.empty()) {
+    wc[taken++] = synthetic.front();
+    synthetic.pop_front();
+  }
+  synthetic_count.store(synthetic.size(), std::memory_order_release);
+  return taken;
 }
 
 SrqCore::~SrqCore() {
@@ -204,9 +250,10 @@ absl::StatusOr<std::unique_ptr<ProviderSrq>> VerbsPd::CreateSrq(
   errno = 0;
   ibv_srq* srq = ibv_create_srq(core_->pd, &attr);
   if (srq == nullptr) {
+    const int err = errno != 0 ? errno : EINVAL;
     const Device& dev = *core_->dev;
     return ErrnoStatus(
-        errno != 0 ? errno : EINVAL,
+        err,
         absl::StrFormat("ibv_create_srq(max_wr=%u, max_sge=%u) on %s (device "
                         "max_srq_wr=%d, max_srq_sge=%d)",
                         max_wr, max_sge, dev.name, dev.attr.max_srq_wr,
@@ -240,9 +287,9 @@ absl::Status VerbsCq::RequestNotify() {
   errno = 0;
   int ret = ibv_req_notify_cq(core_->cq, 0);
   if (ret == 0) return absl::OkStatus();
-  return ErrnoStatus(VerbsErrno(ret, errno),
-                     absl::StrFormat("ibv_req_notify_cq on %s",
-                                     core_->dev->name));
+  const int err = VerbsErrno(ret, errno);
+  return ErrnoStatus(
+      err, absl::StrFormat("ibv_req_notify_cq on %s", core_->dev->name));
 }
 
 int VerbsCq::GetEvents() {
@@ -270,8 +317,8 @@ void VerbsCq::AckEvents(unsigned n) {
 
 VerbsQp::VerbsQp(ibv_qp* qp, rdma_cm_id* id, const ibv_qp_cap& cap,
                  std::shared_ptr<PdCore> pd, std::shared_ptr<CqCore> send_cq,
-                 std::shared_ptr<CqCore> recv_cq,
-                 std::shared_ptr<SrqCore> srq, std::shared_ptr<void> keepalive)
+                 std::shared_ptr<CqCore> recv_cq, std::shared_ptr<SrqCore> srq,
+                 std::shared_ptr<void> keepalive)
     : qp_(qp),
       id_(id),
       cap_(cap),
@@ -279,9 +326,18 @@ VerbsQp::VerbsQp(ibv_qp* qp, rdma_cm_id* id, const ibv_qp_cap& cap,
       send_cq_(std::move(send_cq)),
       recv_cq_(std::move(recv_cq)),
       srq_(std::move(srq)),
-      keepalive_(std::move(keepalive)) {}
+      keepalive_(std::move(keepalive)) {
+  Device& dev = *pd_->dev;
+  std::lock_guard<std::mutex> lock(dev.qps_mu);
+  dev.qps[qp_->qp_num] = this;
+}
 
 VerbsQp::~VerbsQp() {
+  {
+    Device& dev = *pd_->dev;
+    std::lock_guard<std::mutex> lock(dev.qps_mu);
+    dev.qps.erase(qp_->qp_num);
+  }
   if (id_ != nullptr) {
     rdma_destroy_qp(id_);  // ibv_destroy_qp + clears id->qp
   } else if (int ret = ibv_destroy_qp(qp_); ret != 0) {
@@ -291,12 +347,56 @@ VerbsQp::~VerbsQp() {
   // Members release the CQs, SRQ, PD and the cm ids after the QP is gone.
 }
 
+namespace {
+
+ibv_wc_opcode WcOpcode(ibv_wr_opcode op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    case IBV_WR_LOCAL_INV:
+      return IBV_WC_LOCAL_INV;
+    case IBV_WR_BIND_MW:
+      return IBV_WC_BIND_MW;
+    default:
+      return IBV_WC_SEND;
+  }
+}
+
+ibv_wc FlushWc(uint64_t wr_id, ibv_wc_opcode opcode, uint32_t qp_num) {
+  ibv_wc wc{};
+  wc.wr_id = wr_id;
+  wc.status = IBV_WC_WR_FLUSH_ERR;
+  wc.opcode = opcode;
+  wc.qp_num = qp_num;
+  return wc;
+}
+
+}  // namespace
+
 absl::Status VerbsQp::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_send_wr* local_bad = nullptr;
   if (bad == nullptr) bad = &local_bad;
+  if (FlushLocally()) [[unlikely]] {
+    // Every WR completes, signaled or not, as a flushed WR does.
+    for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
+      send_cq_->AddSynthetic(
+          FlushWc(w->wr_id, WcOpcode(w->opcode), qp_->qp_num));
+    }
+    return absl::OkStatus();
+  }
   errno = 0;
   int ret = ibv_post_send(qp_, wr, bad);
-  if (ret == 0) return absl::OkStatus();
+  if (ret == 0) {
+    if (reflush_) ModifyToError();
+    return absl::OkStatus();
+  }
   int err = VerbsErrno(ret, errno);
   const ibv_send_wr* failed = *bad != nullptr ? *bad : wr;
   int index = 0;
@@ -307,15 +407,17 @@ absl::Status VerbsQp::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
       (failed->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ||
        failed->opcode == IBV_WR_SEND_WITH_IMM) &&
       dev.caps.transport == TransportKind::kIWarp) {
-    hint = "; iWARP has no immediate data (DeviceCaps::write_with_imm and "
-           "send_with_imm are false)";
-  } else if (failed != nullptr && (failed->opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
-                                   failed->opcode ==
-                                       IBV_WR_ATOMIC_FETCH_AND_ADD) &&
+    hint =
+        "; iWARP has no immediate data (DeviceCaps::write_with_imm and "
+        "send_with_imm are false)";
+  } else if (failed != nullptr &&
+             (failed->opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+              failed->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) &&
              !dev.caps.atomics) {
     hint = "; the device has no atomics (DeviceCaps::atomics is false)";
   } else if (err == ENOMEM) {
-    hint = absl::StrFormat("; the send queue holds %u WRs", cap_.max_send_wr);
+    hint = absl::StrFormat("; send queue full (created with max_send_wr %u)",
+                           cap_.max_send_wr);
   } else if (failed != nullptr && (failed->send_flags & IBV_SEND_INLINE)) {
     hint = absl::StrFormat("; inline limit of this QP is %u bytes",
                            cap_.max_inline_data);
@@ -332,9 +434,18 @@ absl::Status VerbsQp::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
 absl::Status VerbsQp::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_recv_wr* local_bad = nullptr;
   if (bad == nullptr) bad = &local_bad;
+  if (srq_ == nullptr && FlushLocally()) [[unlikely]] {
+    for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
+      recv_cq_->AddSynthetic(FlushWc(w->wr_id, IBV_WC_RECV, qp_->qp_num));
+    }
+    return absl::OkStatus();
+  }
   errno = 0;
   int ret = ibv_post_recv(qp_, wr, bad);
-  if (ret == 0) return absl::OkStatus();
+  if (ret == 0) {
+    if (reflush_) ModifyToError();
+    return absl::OkStatus();
+  }
   int err = VerbsErrno(ret, errno);
   const ibv_recv_wr* failed = *bad != nullptr ? *bad : wr;
   int index = 0;
@@ -343,7 +454,7 @@ absl::Status VerbsQp::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
   if (srq_ != nullptr) {
     hint = "; this QP uses an SRQ: post receives to the SRQ";
   } else if (err == ENOMEM) {
-    hint = absl::StrFormat("; the receive queue holds %u WRs",
+    hint = absl::StrFormat("; receive queue full (created with max_recv_wr %u)",
                            cap_.max_recv_wr);
   }
   return ErrnoStatus(
@@ -354,38 +465,62 @@ absl::Status VerbsQp::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
                failed != nullptr ? failed->wr_id : 0, hint));
 }
 
-absl::Status VerbsQp::SetError() {
+int VerbsQp::ModifyToError() {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_ERR;
   errno = 0;
   int ret = ibv_modify_qp(qp_, &attr, IBV_QP_STATE);
-  if (ret == 0) return absl::OkStatus();
-  return ErrnoStatus(VerbsErrno(ret, errno),
-                     absl::StrFormat("ibv_modify_qp(IBV_QPS_ERR) on QP 0x%x (%s)",
-                                     qp_->qp_num, pd_->dev->name));
+  return ret == 0 ? 0 : VerbsErrno(ret, errno);
+}
+
+absl::Status VerbsQp::SetError() {
+  int err = ModifyToError();
+  if (err == 0) {
+    reflush_ = true;
+    set_known_state(IBV_QPS_ERR);
+    return absl::OkStatus();
+  }
+  return ErrnoStatus(
+      err, absl::StrFormat("ibv_modify_qp(IBV_QPS_ERR) on QP 0x%x (%s)",
+                           qp_->qp_num, pd_->dev->name));
 }
 
 ibv_qp_state VerbsQp::state() const {
   ibv_qp_attr attr{};
   ibv_qp_init_attr init{};
+  const ibv_qp_state known = known_state_.load(std::memory_order_relaxed);
   if (ibv_query_qp(qp_, &attr, IBV_QP_STATE, &init) != 0) {
-    return IBV_QPS_UNKNOWN;
+    return pd_->dev->qp_state_unreliable ? known : IBV_QPS_UNKNOWN;
+  }
+  if (attr.qp_state == IBV_QPS_RESET && pd_->dev->qp_state_unreliable) {
+    return known;
   }
   return attr.qp_state;
 }
 
-absl::Status SetMinRnrTimer(VerbsQp& qp, uint8_t min_rnr_timer) {
+absl::Status FinishEstablished(VerbsQp& qp, const QpInit& init) {
+  qp.set_known_state(IBV_QPS_RTS);
+  {
+    ibv_qp_attr attr{};
+    ibv_qp_init_attr init_attr{};
+    if (ibv_query_qp(qp.qp(), &attr, IBV_QP_STATE, &init_attr) == 0 &&
+        attr.qp_state == IBV_QPS_RESET) {
+      qp.device().qp_state_unreliable = true;  // connected, yet "RESET"
+    }
+  }
   if (qp.device().caps.transport == TransportKind::kIWarp) {
     return absl::OkStatus();  // TCP below: no RNR NAKs
   }
+  const uint8_t min_rnr_timer = init.min_rnr_timer;
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_RTS;
   attr.min_rnr_timer = min_rnr_timer;
   errno = 0;
   int ret = ibv_modify_qp(qp.qp(), &attr, IBV_QP_STATE | IBV_QP_MIN_RNR_TIMER);
   if (ret == 0) return absl::OkStatus();
+  const int err = VerbsErrno(ret, errno);
   return ErrnoStatus(
-      VerbsErrno(ret, errno),
+      err,
       absl::StrFormat("ibv_modify_qp(RTS->RTS, min_rnr_timer=%u) on QP 0x%x "
                       "(%s)",
                       min_rnr_timer, qp.qp_num(), qp.device().name));

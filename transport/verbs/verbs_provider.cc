@@ -46,9 +46,10 @@ std::string DescribeAsyncEvent(const Device& dev, const ibv_async_event& ev,
       *qp_num = ev.element.qp->qp_num;
       return absl::StrFormat("%s on QP 0x%x (%s)", name, *qp_num, dev.name);
     case IBV_EVENT_CQ_ERR:
-      return absl::StrFormat("%s on a CQ of %s (CQ overrun or protection "
-                             "error)",
-                             name, dev.name);
+      return absl::StrFormat(
+          "%s on a CQ of %s (CQ overrun or protection "
+          "error)",
+          name, dev.name);
     case IBV_EVENT_SRQ_ERR:
     case IBV_EVENT_SRQ_LIMIT_REACHED:
       return absl::StrFormat("%s on SRQ (handle %u) of %s", name,
@@ -79,7 +80,8 @@ class VerbsProvider : public Provider {
     errno = 0;
     ibv_pd* pd = ibv_alloc_pd(dev_->ctx);
     if (pd == nullptr) {
-      return ErrnoStatus(errno != 0 ? errno : ENOMEM,
+      const int err = errno != 0 ? errno : ENOMEM;
+      return ErrnoStatus(err,
                          absl::StrFormat("ibv_alloc_pd on %s", dev_->name));
     }
     auto core = std::make_shared<PdCore>();
@@ -100,9 +102,9 @@ class VerbsProvider : public Provider {
     errno = 0;
     core->channel = ibv_create_comp_channel(dev_->ctx);
     if (core->channel == nullptr) {
+      const int err = errno != 0 ? errno : EMFILE;
       return ErrnoStatus(
-          errno != 0 ? errno : EMFILE,
-          absl::StrFormat("ibv_create_comp_channel on %s", dev_->name));
+          err, absl::StrFormat("ibv_create_comp_channel on %s", dev_->name));
     }
     int fl = fcntl(core->channel->fd, F_GETFL);
     if (fl < 0 || fcntl(core->channel->fd, F_SETFL, fl | O_NONBLOCK) < 0) {
@@ -111,9 +113,9 @@ class VerbsProvider : public Provider {
     errno = 0;
     core->cq = ibv_create_cq(dev_->ctx, cqe, nullptr, core->channel, 0);
     if (core->cq == nullptr) {
-      return ErrnoStatus(errno != 0 ? errno : ENOMEM,
-                         absl::StrFormat("ibv_create_cq(%d) on %s", cqe,
-                                         dev_->name));
+      const int err = errno != 0 ? errno : ENOMEM;
+      return ErrnoStatus(
+          err, absl::StrFormat("ibv_create_cq(%d) on %s", cqe, dev_->name));
     }
     return std::make_unique<VerbsCq>(std::move(core));
   }
@@ -126,15 +128,20 @@ class VerbsProvider : public Provider {
     if (ibv_get_async_event(dev_->ctx, &ev) != 0) {
       int err = errno != 0 ? errno : EAGAIN;
       if (err == EAGAIN || err == EWOULDBLOCK) {
-        return absl::NotFoundError(absl::StrFormat(
-            "no asynchronous event pending on %s", dev_->name));
+        return absl::NotFoundError(
+            absl::StrFormat("no asynchronous event pending on %s", dev_->name));
       }
-      return ErrnoStatus(err, absl::StrFormat("ibv_get_async_event on %s",
-                                              dev_->name));
+      return ErrnoStatus(
+          err, absl::StrFormat("ibv_get_async_event on %s", dev_->name));
     }
     AsyncEvent out;
     out.type = ev.event_type;
     out.description = DescribeAsyncEvent(*dev_, ev, &out.qp_num);
+    if (dev_->TrackQpErrors() && (ev.event_type == IBV_EVENT_QP_FATAL ||
+                                  ev.event_type == IBV_EVENT_QP_REQ_ERR ||
+                                  ev.event_type == IBV_EVENT_QP_ACCESS_ERR)) {
+      dev_->NoteQpError(out.qp_num);
+    }
     ibv_ack_async_event(&ev);  // after reading ev.element
     return out;
   }
@@ -208,20 +215,21 @@ ibv_qp* VerbsQpHandle(ProviderQp* qp) {
 absl::StatusOr<std::unique_ptr<ProviderQp>> CreateQpOnCmId(
     rdma_cm_id* id, ProviderPd* pd, const QpInit& init,
     std::shared_ptr<void> keepalive) {
-  if (id == nullptr) return absl::InvalidArgumentError("CreateQpOnCmId: null id");
+  if (id == nullptr)
+    return absl::InvalidArgumentError("CreateQpOnCmId: null id");
   auto qp = verbs_internal::CreateCmQp(id, pd, init, std::move(keepalive),
                                        "on cm id");
   if (!qp.ok()) return qp.status();
   return std::unique_ptr<ProviderQp>(std::move(*qp));
 }
 
-absl::Status ApplyMinRnrTimer(ProviderQp* qp, uint8_t min_rnr_timer) {
+absl::Status FinishEstablishedQp(ProviderQp* qp, const QpInit& init) {
   auto* q = dynamic_cast<VerbsQp*>(qp);
   if (q == nullptr) {
     return absl::InvalidArgumentError(
-        "ApplyMinRnrTimer: not a QP of the verbs provider");
+        "FinishEstablishedQp: not a QP of the verbs provider");
   }
-  return verbs_internal::SetMinRnrTimer(*q, min_rnr_timer);
+  return verbs_internal::FinishEstablished(*q, init);
 }
 
 }  // namespace coverbs::transport

@@ -79,14 +79,18 @@ ibv_qp* VerbsQpHandle(ProviderQp* qp);
 // `keepalive` (optional) is held until then, e.g. the object owning `id`.
 // init.rnr_retry / retry_cnt / timeout / min_rnr_timer are NOT applied here:
 // they travel in rdma_conn_param / rdma_set_option, and min_rnr_timer needs
-// ApplyMinRnrTimer once the connection is established.
+// FinishEstablishedQp once the connection is established.
 absl::StatusOr<std::unique_ptr<ProviderQp>> CreateQpOnCmId(
     rdma_cm_id* id, ProviderPd* pd, const QpInit& init,
     std::shared_ptr<void> keepalive = nullptr);
 
-// IB CM (InfiniBand and RoCE) connects QPs with min_rnr_timer 0 (655 ms); this
-// sets `min_rnr_timer` with an RTS->RTS modify. A no-op on iWARP (no RNR).
-absl::Status ApplyMinRnrTimer(ProviderQp* qp, uint8_t min_rnr_timer);
+// To call once RDMA_CM_EVENT_ESTABLISHED arrived for the QP's id:
+//  - IB CM (InfiniBand, RoCE) connects QPs with min_rnr_timer 0 (655 ms):
+//    this sets init.min_rnr_timer with an RTS->RTS modify (not on iWARP);
+//  - it records that the QP is connected, for devices whose ibv_query_qp does
+//    not report the state (siw before Linux 6.x always says RESET), so that
+//    ProviderQp::state() can still answer.
+absl::Status FinishEstablishedQp(ProviderQp* qp, const QpInit& init);
 
 }  // namespace coverbs::transport
 

@@ -13,6 +13,8 @@
 //                             pair lands on another device (two-device veth
 //                             setups); default $COVERBS_VM_DEV_B;
 //   COVERBS_VM_RDMA           rxe|siw: also check the detected transport.
+#include "transport/verbs/verbs_provider.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/capability.h>
@@ -37,7 +39,6 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "transport/provider.h"
-#include "transport/verbs/verbs_provider.h"
 
 extern char** environ;
 
@@ -53,10 +54,14 @@ const char* Env(const char* name) {
 
 const char* Kind(TransportKind k) {
   switch (k) {
-    case TransportKind::kInfiniBand: return "InfiniBand";
-    case TransportKind::kRoCE: return "RoCE";
-    case TransportKind::kIWarp: return "iWARP";
-    case TransportKind::kSoft: return "soft";
+    case TransportKind::kInfiniBand:
+      return "InfiniBand";
+    case TransportKind::kRoCE:
+      return "RoCE";
+    case TransportKind::kIWarp:
+      return "iWARP";
+    case TransportKind::kSoft:
+      return "soft";
   }
   return "?";
 }
@@ -85,9 +90,7 @@ std::vector<ibv_wc> PollN(ProviderCq* cq, int n, int timeout_ms = 15000) {
 }
 
 // Nothing more arrives within `ms`.
-bool QuietFor(ProviderCq* cq, int ms) {
-  return PollN(cq, 1, ms).empty();
-}
+bool QuietFor(ProviderCq* cq, int ms) { return PollN(cq, 1, ms).empty(); }
 
 // A registered, 64-byte aligned buffer.
 struct Buffer {
@@ -100,8 +103,7 @@ struct Buffer {
     std::free(data);
   }
   ibv_sge Sge(size_t offset, uint32_t len) const {
-    return ibv_sge{reinterpret_cast<uintptr_t>(data + offset), len,
-                   mr->lkey()};
+    return ibv_sge{reinterpret_cast<uintptr_t>(data + offset), len, mr->lkey()};
   }
   uint64_t Addr(size_t offset) const {
     return reinterpret_cast<uintptr_t>(data + offset);
@@ -111,8 +113,8 @@ struct Buffer {
   std::unique_ptr<ProviderMr> mr;
 };
 
-constexpr int kAllAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                           IBV_ACCESS_REMOTE_READ;
+constexpr int kAllAccess =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
 class VerbsPairTest : public ::testing::Test {
  protected:
@@ -324,9 +326,8 @@ TEST_F(VerbsPairTest, CreateCqChecksItsArgument) {
 
 TEST_F(VerbsPairTest, RegisterMemoryAddsLocalWriteForRemoteWrite) {
   Buffer buf(4096);
-  auto mr = pd_a_->RegisterMemory(buf.data, buf.size,
-                                  IBV_ACCESS_REMOTE_WRITE |
-                                      IBV_ACCESS_REMOTE_READ);
+  auto mr = pd_a_->RegisterMemory(
+      buf.data, buf.size, IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
   ASSERT_TRUE(mr.ok()) << mr.status();
   EXPECT_EQ((*mr)->addr(), buf.data);
   EXPECT_EQ((*mr)->length(), buf.size);
@@ -338,12 +339,12 @@ TEST_F(VerbsPairTest, RegisterMemoryAddsLocalWriteForRemoteWrite) {
 }
 
 TEST_F(VerbsPairTest, SendRecvBothWays) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
-  PostRecv(pair_.a.get(), ba, 0, 256, 11);
-  PostRecv(pair_.b.get(), bb, 0, 256, 21);
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 256, 11));
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.b.get(), bb, 0, 256, 21));
   // b (the active side) sends first: required on iWARP.
   std::strcpy(bb.data + 1024, "hello from b");
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_SEND, bb, 1024, 13, 22).ok());
@@ -368,11 +369,11 @@ TEST_F(VerbsPairTest, SendRecvBothWays) {
 }
 
 TEST_F(VerbsPairTest, CompletionChannelWakesAndAcks) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
-  PostRecv(pair_.a.get(), ba, 0, 64, 1);
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 1));
   ASSERT_TRUE(cq_a_->RequestNotify().ok());
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_SEND, bb, 0, 8, 2).ok());
   pollfd pfd{cq_a_->fd(), POLLIN, 0};
@@ -390,11 +391,11 @@ TEST_F(VerbsPairTest, InlineSend) {
   if (max_inline < 16) GTEST_SKIP() << "device inline limit " << max_inline;
   QpInit ia = InitA(), ib = InitB();
   ib.max_inline_data = std::min<uint32_t>(64, max_inline);
-  Connect(ia, ib);
+  ASSERT_NO_FATAL_FAILURE(Connect(ia, ib));
   EXPECT_GE(pair_.b->max_inline_data(), ib.max_inline_data);
   Buffer ba(4096);
-  Register(ba, pd_a_.get());
-  PostRecv(pair_.a.get(), ba, 0, 64, 5);
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 5));
   char msg[16] = "inline payload";  // not registered: inline copies it
   ibv_sge sge{reinterpret_cast<uintptr_t>(msg), sizeof(msg), 0};
   ibv_send_wr wr{};
@@ -412,10 +413,10 @@ TEST_F(VerbsPairTest, InlineSend) {
 }
 
 TEST_F(VerbsPairTest, RdmaWriteAndRead) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(8192), bb(8192);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
   for (int i = 0; i < 4096; ++i) bb.data[i] = static_cast<char>(i * 7);
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_RDMA_WRITE, bb, 0, 4096, 31,
                        ba.Addr(4096), ba.mr->rkey())
@@ -436,13 +437,13 @@ TEST_F(VerbsPairTest, RdmaWriteAndRead) {
 }
 
 TEST_F(VerbsPairTest, ImmediateDataOrAClearRefusal) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
   const DeviceCaps& caps = pa_->caps();
   if (caps.write_with_imm) {
-    PostRecv(pair_.a.get(), ba, 0, 64, 41);
+    ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 41));
     std::strcpy(bb.data, "imm write");
     ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_RDMA_WRITE_WITH_IMM, bb, 0, 10,
                          42, ba.Addr(1024), ba.mr->rkey(), 0xabcd)
@@ -455,7 +456,7 @@ TEST_F(VerbsPairTest, ImmediateDataOrAClearRefusal) {
     EXPECT_STREQ(ba.data + 1024, "imm write");
   }
   if (caps.send_with_imm) {
-    PostRecv(pair_.a.get(), ba, 0, 64, 43);
+    ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 43));
     ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_SEND_WITH_IMM, bb, 0, 4, 44, 0,
                          0, 0x1234)
                     .ok());
@@ -489,10 +490,11 @@ TEST_F(VerbsPairTest, Atomics) {
   if (!pa_->caps().atomics) {
     GTEST_SKIP() << pa_->caps().device_name << " has no atomics";
   }
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(64), bb(64);
-  Register(ba, pd_a_.get(), kAllAccess | IBV_ACCESS_REMOTE_ATOMIC);
-  Register(bb, pd_b_.get());
+  ASSERT_NO_FATAL_FAILURE(
+      Register(ba, pd_a_.get(), kAllAccess | IBV_ACCESS_REMOTE_ATOMIC));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
   uint64_t* target = reinterpret_cast<uint64_t*>(ba.data);
   uint64_t* result = reinterpret_cast<uint64_t*>(bb.data);
   *target = 5;
@@ -524,26 +526,42 @@ TEST_F(VerbsPairTest, Atomics) {
   EXPECT_EQ(*target, 12u);
 }
 
+// A WRITE to a region without REMOTE_WRITE breaks the connection. On
+// InfiniBand/RoCE the WRITE itself completes with an error; on iWARP its
+// completion only means the data left (it may say success) and the QP fails
+// when the peer's TERMINATE arrives. Either way b's QP ends in error and
+// everything outstanding on it is flushed, including a receive posted before.
 TEST_F(VerbsPairTest, RemoteAccessErrorPutsTheQpInError) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get(), IBV_ACCESS_LOCAL_WRITE);  // no remote access
-  Register(bb, pd_b_.get());
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get(), IBV_ACCESS_LOCAL_WRITE));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
   // b sends first (iWARP), so that a's side of the connection is live.
-  PostRecv(pair_.a.get(), ba, 0, 64, 60);
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 60));
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_SEND, bb, 0, 4, 61).ok());
   ExpectOne(cq_b_.get(), 61);
   ExpectOne(cq_a_.get(), 60);
 
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.b.get(), bb, 1024, 64, 64));
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_RDMA_WRITE, bb, 0, 64, 62,
                        ba.Addr(0), ba.mr->rkey())
                   .ok());
-  std::vector<ibv_wc> wc = PollN(cq_b_.get(), 1);
-  ASSERT_EQ(wc.size(), 1u);
-  std::printf("write to a region without REMOTE_WRITE: %s\n",
-              WcString(wc[0]).c_str());
-  EXPECT_NE(wc[0].status, IBV_WC_SUCCESS);
-  EXPECT_EQ(wc[0].wr_id, 62u);
+  std::vector<ibv_wc> wc = PollN(cq_b_.get(), 2);
+  ASSERT_EQ(wc.size(), 2u) << "b's QP did not fail";
+  const ibv_wc* write = nullptr;
+  const ibv_wc* recv = nullptr;
+  for (const ibv_wc& w : wc) {
+    std::printf("after a write to a region without REMOTE_WRITE: %s\n",
+                WcString(w).c_str());
+    (w.wr_id == 62 ? write : recv) = &w;
+  }
+  ASSERT_NE(write, nullptr);
+  ASSERT_NE(recv, nullptr);
+  EXPECT_EQ(recv->wr_id, 64u);
+  EXPECT_EQ(recv->status, IBV_WC_WR_FLUSH_ERR) << WcString(*recv);
+  if (pa_->caps().transport != TransportKind::kIWarp) {
+    EXPECT_EQ(write->status, IBV_WC_REM_ACCESS_ERR) << WcString(*write);
+  }
   // The requester's QP is in error now: what is posted next is flushed.
   const auto deadline = Clock::now() + std::chrono::seconds(5);
   while (pair_.b->state() != IBV_QPS_ERR && Clock::now() < deadline) {
@@ -571,11 +589,11 @@ TEST_F(VerbsPairTest, RemoteAccessErrorPutsTheQpInError) {
 }
 
 TEST_F(VerbsPairTest, SetErrorFlushesEverythingInOrder) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096);
-  Register(ba, pd_a_.get());
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
   for (uint64_t id = 1; id <= 3; ++id) {
-    PostRecv(pair_.a.get(), ba, 64 * id, 64, id);
+    ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 64 * id, 64, id));
   }
   ASSERT_TRUE(pair_.a->SetError().ok());
   EXPECT_EQ(pair_.a->state(), IBV_QPS_ERR);
@@ -591,22 +609,24 @@ TEST_F(VerbsPairTest, SetErrorFlushesEverythingInOrder) {
   ASSERT_EQ(wc.size(), 1u);
   EXPECT_EQ(wc[0].status, IBV_WC_WR_FLUSH_ERR) << WcString(wc[0]);
   EXPECT_EQ(wc[0].wr_id, 9u);
-  // A receive posted to a QP in error: flushed by hardware; the software
-  // devices may only flush it at the next state change or never (reported,
-  // not required here: provider.h semantics are checked by the conformance
-  // suite).
-  PostRecv(pair_.a.get(), ba, 0, 64, 10);
-  wc = PollN(cq_a_.get(), 1, 500);
-  std::printf("receive posted in error state: %s\n",
-              wc.empty() ? "no completion within 500 ms"
-                         : WcString(wc[0]).c_str());
+  // A receive posted to a QP in error is flushed as well (hardware does it;
+  // for rxe the provider re-issues the transition to ERR, for siw it
+  // completes the WR itself).
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 10));
+  wc = PollN(cq_a_.get(), 1);
+  ASSERT_EQ(wc.size(), 1u) << "a receive posted in error was not flushed";
+  EXPECT_EQ(wc[0].status, IBV_WC_WR_FLUSH_ERR) << WcString(wc[0]);
+  EXPECT_EQ(wc[0].wr_id, 10u);
 }
 
+// Posting more WRs than the queue holds fails with ENOMEM: ResourceExhausted
+// naming the QP. The reported max_*_wr is a lower bound: drivers may round the
+// ring up (rxe does), so the failure can come later than max_*_wr + 1.
 TEST_F(VerbsPairTest, OverflowingAQueueIsResourceExhausted) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096);
-  Register(ba, pd_a_.get());
-  const uint32_t n = pair_.a->max_recv_wr() + 1;
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  const uint32_t n = 4 * pair_.a->max_recv_wr() + 4;
   std::vector<ibv_recv_wr> wrs(n);
   ibv_sge sge = ba.Sge(0, 64);
   for (uint32_t i = 0; i < n; ++i) {
@@ -617,17 +637,20 @@ TEST_F(VerbsPairTest, OverflowingAQueueIsResourceExhausted) {
   }
   ibv_recv_wr* bad = nullptr;
   absl::Status s = pair_.a->PostRecv(wrs.data(), &bad);
-  ASSERT_FALSE(s.ok());
+  ASSERT_FALSE(s.ok()) << n << " receives fit a queue of "
+                       << pair_.a->max_recv_wr();
   std::printf("receive queue overflow: %s\n", s.ToString().c_str());
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
-  EXPECT_EQ(bad, &wrs[n - 1]);
+  ASSERT_NE(bad, nullptr);
+  EXPECT_GE(bad - wrs.data(), pair_.a->max_recv_wr());
   EXPECT_NE(s.message().find(absl::StrFormat("QP 0x%x", pair_.a->qp_num())),
             std::string::npos)
       << s;
   EXPECT_NE(s.message().find("RECV"), std::string::npos) << s;
 
-  // The same on the send queue, with unsignaled zero-length writes.
-  const uint32_t m = pair_.b->max_send_wr() + 1;
+  // The same on the send queue, with unsignaled zero-length writes posted as
+  // one list (the device sees them only at the end of the list).
+  const uint32_t m = 4 * pair_.b->max_send_wr() + 4;
   std::vector<ibv_send_wr> swrs(m);
   for (uint32_t i = 0; i < m; ++i) {
     swrs[i].wr_id = 2000 + i;
@@ -639,9 +662,20 @@ TEST_F(VerbsPairTest, OverflowingAQueueIsResourceExhausted) {
   }
   ibv_send_wr* sbad = nullptr;
   s = pair_.b->PostSend(swrs.data(), &sbad);
+  if (s.ok() && pa_->caps().transport == TransportKind::kIWarp) {
+    // siw's kernel thread consumes the send ring while it is being filled.
+    std::printf(
+        "send queue: %u WRs posted without overflow (the device "
+        "drained the queue meanwhile)\n",
+        m);
+    return;
+  }
+  ASSERT_FALSE(s.ok()) << m << " sends fit a queue of "
+                       << pair_.b->max_send_wr();
   std::printf("send queue overflow: %s\n", s.ToString().c_str());
-  ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  ASSERT_NE(sbad, nullptr);
+  EXPECT_GE(sbad - swrs.data(), pair_.b->max_send_wr());
   EXPECT_NE(s.message().find("RDMA_WRITE"), std::string::npos) << s;
   EXPECT_TRUE(QuietFor(cq_b_.get(), 200));  // unsignaled successes: silent
 }
@@ -651,10 +685,10 @@ TEST_F(VerbsPairTest, SharedReceiveQueue) {
   ASSERT_TRUE(srq.ok()) << srq.status();
   QpInit ia = InitA();
   ia.srq = srq->get();
-  Connect(ia, InitB());
+  ASSERT_NO_FATAL_FAILURE(Connect(ia, InitB()));
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
   for (uint64_t id = 1; id <= 2; ++id) {
     ibv_sge sge = ba.Sge(128 * id, 128);
     ibv_recv_wr wr{};
@@ -689,7 +723,7 @@ TEST_F(VerbsPairTest, RequestingTooMuchInlineFailsClearly) {
   EXPECT_NE(pair.status().message().find("rdma_create_qp"), std::string::npos);
   EXPECT_NE(pair.status().message().find("max_inline_data"), std::string::npos);
   // And the provider still connects afterwards.
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
 }
 
 TEST_F(VerbsPairTest, ForeignObjectsAreRejected) {
@@ -706,11 +740,11 @@ TEST_F(VerbsPairTest, ForeignObjectsAreRejected) {
 }
 
 TEST_F(VerbsPairTest, DestroyInAnyOrderAndWithUnackedEvents) {
-  Connect();
+  ASSERT_NO_FATAL_FAILURE(Connect());
   Buffer ba(4096), bb(4096);
-  Register(ba, pd_a_.get());
-  Register(bb, pd_b_.get());
-  PostRecv(pair_.a.get(), ba, 0, 64, 1);
+  ASSERT_NO_FATAL_FAILURE(Register(ba, pd_a_.get()));
+  ASSERT_NO_FATAL_FAILURE(Register(bb, pd_b_.get()));
+  ASSERT_NO_FATAL_FAILURE(PostRecv(pair_.a.get(), ba, 0, 64, 1));
   ASSERT_TRUE(cq_a_->RequestNotify().ok());
   ASSERT_TRUE(PostSend(pair_.b.get(), IBV_WR_SEND, bb, 0, 8, 2).ok());
   ExpectOne(cq_b_.get(), 2);
@@ -738,7 +772,7 @@ TEST_F(VerbsPairTest, DestroyInAnyOrderAndWithUnackedEvents) {
 
 TEST_F(VerbsPairTest, ManyPairsInSequence) {
   for (int i = 0; i < 5; ++i) {
-    Connect();
+    ASSERT_NO_FATAL_FAILURE(Connect());
     pair_ = QpPair{};
   }
 }
@@ -770,7 +804,8 @@ TEST(VerbsMemlockChild, RegistrationBeyondTheLimit) {
   auto pd = (*p)->AllocPd();
   ASSERT_TRUE(pd.ok()) << pd.status();
   std::vector<char> big(4 << 20, 1);
-  auto mr = (*pd)->RegisterMemory(big.data(), big.size(), IBV_ACCESS_LOCAL_WRITE);
+  auto mr =
+      (*pd)->RegisterMemory(big.data(), big.size(), IBV_ACCESS_LOCAL_WRITE);
   ASSERT_FALSE(mr.ok()) << "4 MiB registered under a 64 KiB memlock limit";
   std::printf("memlock: %s\n", mr.status().ToString().c_str());
   EXPECT_EQ(mr.status().code(), absl::StatusCode::kResourceExhausted);
