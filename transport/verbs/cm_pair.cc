@@ -309,12 +309,18 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
   } close_on_failure{state.get()};
   bool est_a = false, est_b = false;
   std::string stage = "resolving the address of " + dst;
-  auto conn_param = [](const QpInit& init) {
+  // How IB CM (InfiniBand, RoCE) applies the retry counts, as seen on rxe:
+  // the connect request's retry_count goes to *both* QPs; its
+  // rnr_retry_count goes to the passive QP, and the accept's to the active
+  // QP. So each side's rnr_retry travels in the other side's parameters, and
+  // retry_cnt is init_b's for both (RTS->RTS cannot change it). iWARP has no
+  // such counters (TCP retransmits).
+  auto conn_param = [](uint8_t retry_cnt, uint8_t peer_rnr_retry) {
     rdma_conn_param p{};
     p.responder_resources = RDMA_MAX_RESP_RES;  // device maximum
     p.initiator_depth = RDMA_MAX_INIT_DEPTH;
-    p.retry_count = init.retry_cnt > 7 ? 7 : init.retry_cnt;
-    p.rnr_retry_count = init.rnr_retry > 7 ? 7 : init.rnr_retry;
+    p.retry_count = retry_cnt > 7 ? 7 : retry_cnt;
+    p.rnr_retry_count = peer_rnr_retry > 7 ? 7 : peer_rnr_retry;
     return p;
   };
   auto set_ack_timeout = [&](rdma_cm_id* id, uint8_t timeout) -> absl::Status {
@@ -369,7 +375,7 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         auto qp = CreateCmQp(state->b, pd_b, init_b, state, "b");
         if (!qp.ok()) return qp.status();
         qp_b = std::move(*qp);
-        rdma_conn_param p = conn_param(init_b);
+        rdma_conn_param p = conn_param(init_b.retry_cnt, init_a.rnr_retry);
         if (rdma_connect(state->b, &p) != 0) {
           const int err = errno;
           return CmError(err, "rdma_connect", stage);
@@ -391,7 +397,7 @@ absl::StatusOr<QpPair> ConnectPair(const PairAddresses& addrs, ProviderPd* pd_a,
         auto qp = CreateCmQp(state->a, pd_a, init_a, state, "a");
         if (!qp.ok()) return qp.status();
         qp_a = std::move(*qp);
-        rdma_conn_param p = conn_param(init_a);
+        rdma_conn_param p = conn_param(init_b.retry_cnt, init_b.rnr_retry);
         if (rdma_accept(state->a, &p) != 0) {
           const int err = errno;
           return CmError(err, "rdma_accept", stage);

@@ -77,9 +77,13 @@ ibv_qp* VerbsQpHandle(ProviderQp* qp);
 // `init.recv_cq` (and `init.srq`) must be verbs objects on id->verbs. The
 // returned QP's destructor calls rdma_destroy_qp(id): `id` must outlive it;
 // `keepalive` (optional) is held until then, e.g. the object owning `id`.
-// init.rnr_retry / retry_cnt / timeout / min_rnr_timer are NOT applied here:
-// they travel in rdma_conn_param / rdma_set_option, and min_rnr_timer needs
-// FinishEstablishedQp once the connection is established.
+// init.rnr_retry / retry_cnt / timeout / min_rnr_timer are NOT applied here.
+// On InfiniBand/RoCE (IB CM), as seen on rxe: timeout is per id via
+// rdma_set_option(RDMA_OPTION_ID_ACK_TIMEOUT) before connect/accept;
+// rdma_conn_param.retry_count of the *connect* goes to both QPs;
+// rnr_retry_count of the connect lands in the passive QP and that of the
+// accept in the active QP (each side's rnr_retry travels in the peer's
+// parameters); min_rnr_timer needs FinishEstablishedQp.
 absl::StatusOr<std::unique_ptr<ProviderQp>> CreateQpOnCmId(
     rdma_cm_id* id, ProviderPd* pd, const QpInit& init,
     std::shared_ptr<void> keepalive = nullptr);

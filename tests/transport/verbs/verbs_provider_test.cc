@@ -32,6 +32,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -366,6 +367,52 @@ TEST_F(VerbsPairTest, SendRecvBothWays) {
   EXPECT_EQ(pair_.b->state(), IBV_QPS_RTS);
   EXPECT_GE(pair_.a->max_send_wr(), 32u);
   EXPECT_GE(pair_.a->max_recv_wr(), 32u);
+}
+
+// rnr_retry / retry_cnt travel through the CM, timeout through
+// RDMA_OPTION_ID_ACK_TIMEOUT, min_rnr_timer through an RTS->RTS modify. On
+// InfiniBand/RoCE each QP gets its own timeout, min_rnr_timer and rnr_retry;
+// retry_cnt is one value for both (the connect request carries it): init_b's.
+// iWARP QPs have none of these (and siw does not report them).
+TEST_F(VerbsPairTest, ConnectionAttributesFollowQpInit) {
+  QpInit ia = InitA(), ib = InitB();
+  ia.rnr_retry = 5;
+  ia.retry_cnt = 6;
+  ia.timeout = 15;
+  ia.min_rnr_timer = 3;
+  ib.rnr_retry = 4;
+  ib.retry_cnt = 3;
+  ib.timeout = 16;
+  ib.min_rnr_timer = 2;
+  ASSERT_NO_FATAL_FAILURE(Connect(ia, ib));
+  for (auto [name, qp, init] : {std::tuple("a", pair_.a.get(), &ia),
+                                std::tuple("b", pair_.b.get(), &ib)}) {
+    ibv_qp* raw = VerbsQpHandle(qp);
+    ASSERT_NE(raw, nullptr);
+    ibv_qp_attr attr{};
+    ibv_qp_init_attr init_attr{};
+    ASSERT_EQ(
+        ibv_query_qp(raw, &attr,
+                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                         IBV_QP_RNR_RETRY | IBV_QP_MIN_RNR_TIMER |
+                         IBV_QP_MAX_QP_RD_ATOMIC | IBV_QP_MAX_DEST_RD_ATOMIC,
+                     &init_attr),
+        0);
+    std::printf(
+        "QP %s 0x%x: state %d timeout %u retry_cnt %u rnr_retry %u "
+        "min_rnr_timer %u max_rd_atomic %u max_dest_rd_atomic %u (asked "
+        "timeout %u retry_cnt %u rnr_retry %u min_rnr_timer %u)\n",
+        name, qp->qp_num(), attr.qp_state, attr.timeout, attr.retry_cnt,
+        attr.rnr_retry, attr.min_rnr_timer, attr.max_rd_atomic,
+        attr.max_dest_rd_atomic, init->timeout, init->retry_cnt,
+        init->rnr_retry, init->min_rnr_timer);
+    if (pa_->caps().transport != TransportKind::kIWarp) {
+      EXPECT_EQ(attr.timeout, init->timeout) << name;
+      EXPECT_EQ(attr.min_rnr_timer, init->min_rnr_timer) << name;
+      EXPECT_EQ(attr.rnr_retry, init->rnr_retry) << name;
+      EXPECT_EQ(attr.retry_cnt, ib.retry_cnt) << name;
+    }
+  }
 }
 
 TEST_F(VerbsPairTest, CompletionChannelWakesAndAcks) {
