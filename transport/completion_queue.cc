@@ -12,8 +12,10 @@ namespace coverbs::transport {
 absl::StatusOr<std::unique_ptr<CompletionQueue>> CompletionQueue::Create(
     Device& device, Reactor& reactor, int cqe) {
   if (cqe <= 0) {
+    // 4096 serves eight 256+256 QPs. Larger default CQs made rdma_create_qp
+    // fail with EINVAL on siw (Linux 6.1) although the CQ itself was created.
     cqe = static_cast<int>(std::min<uint32_t>(
-        device.caps().max_cqe ? device.caps().max_cqe : 4096, 16384));
+        device.caps().max_cqe ? device.caps().max_cqe : 4096, 4096));
   }
   auto cq = device.provider()->CreateCq(cqe);
   if (!cq.ok()) return cq.status();

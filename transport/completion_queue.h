@@ -47,7 +47,7 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   // destruction: ibv_destroy_cq waits for unacknowledged events).
   static constexpr unsigned kAckBatch = 64;
 
-  // `cqe` = 0 sizes the CQ from the device: min(max_cqe, 16384).
+  // `cqe` = 0 sizes the CQ from the device: min(max_cqe, 4096).
   static absl::StatusOr<std::unique_ptr<CompletionQueue>> Create(
       Device& device, Reactor& reactor, int cqe = 0);
   ~CompletionQueue() override;

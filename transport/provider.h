@@ -55,6 +55,7 @@ struct DeviceCaps {
   int gid_index = -1;        // RoCE: the GID used; -1 when not applicable
   uint32_t max_qp_wr = 0;
   uint32_t max_sge = 0;
+  uint32_t max_sge_rd = 0;      // SGEs per RDMA READ (siw: 1); 0 = max_sge
   uint32_t max_cqe = 0;
   uint32_t max_inline_data = 0;
   uint32_t max_srq_wr = 0;
@@ -167,10 +168,11 @@ struct AsyncEvent {
 // COVERBS_TEST_ADDR (default: the first address of the device's netdev), which
 // also works on iWARP.
 struct QpPair {
+  // Provider-specific connection state that must outlive the QPs (cm ids):
+  // declared first so that it is destroyed last.
+  std::shared_ptr<void> keepalive;
   std::unique_ptr<ProviderQp> a;
   std::unique_ptr<ProviderQp> b;
-  // Provider-specific connection state that must outlive the QPs (cm ids).
-  std::shared_ptr<void> keepalive;
 };
 
 class Provider {

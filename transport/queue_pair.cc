@@ -572,6 +572,13 @@ QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
   spec.opcode = IBV_WR_RDMA_READ;
   spec.bufs = bufs;
   spec.remote = remote;
+  uint32_t max_rd = caps().max_sge_rd ? caps().max_sge_rd : caps().max_sge;
+  if (bufs.size() > max_rd) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "RDMA_READ on QP 0x%x: %u SGEs exceed the device's max_sge_rd %u "
+        "(%s)",
+        qp_num_, bufs.size(), max_rd, caps().device_name));
+  }
   if (bufs.size() > options_.max_send_sge) {
     spec.error = absl::InvalidArgumentError(absl::StrFormat(
         "RDMA_READ on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,

@@ -74,6 +74,48 @@ ibv_wc_status StatusOf(const absl::Status& s) {
   return WcStatusOf(s).value_or(IBV_WC_GENERAL_ERR);
 }
 
+// How a device reports each error class. The IB specification is the
+// reference (the soft provider follows it); the kernel's software devices
+// differ in documented, observed ways (Linux 6.1, see tests/vm/README.md),
+// and the suite asserts exactly what each one does.
+struct ErrorModel {
+  // IB/RoCE: the requester's WR fails with the remote error. iWARP: a WRITE
+  // or SEND completes once handed to the transport; the responder detects
+  // the error and terminates the connection, so the requester learns of it
+  // on later operations.
+  bool requester_sees_remote_errors = true;
+  bool has_rnr = true;  // iWARP has no RNR: a SEND without a receive kills
+  ibv_wc_status bad_lkey = IBV_WC_LOC_PROT_ERR;
+  ibv_wc_status short_recv_responder = IBV_WC_LOC_LEN_ERR;
+  ibv_wc_status short_recv_requester = IBV_WC_REM_INV_REQ_ERR;
+};
+
+ErrorModel ModelFor(const DeviceCaps& c) {
+  ErrorModel m;
+  auto starts = [&c](const char* p) { return c.device_name.rfind(p, 0) == 0; };
+  if (c.transport == TransportKind::kIWarp) {
+    m.requester_sees_remote_errors = false;
+    m.has_rnr = false;
+  }
+  if (starts("rxe")) {  // rdma_rxe reports these generically
+    m.bad_lkey = IBV_WC_LOC_QP_OP_ERR;
+    m.short_recv_responder = IBV_WC_LOC_QP_OP_ERR;
+    m.short_recv_requester = IBV_WC_REM_OP_ERR;
+  }
+  if (starts("siw")) {
+    m.bad_lkey = IBV_WC_LOC_QP_OP_ERR;
+  }
+  return m;
+}
+
+Task<absl::StatusOr<WorkCompletion>> Await(QueuePair::Op&& op) {
+  co_return co_await op;
+}
+
+Task<absl::Status> SleepFor(Reactor* r, absl::Duration d) {
+  co_return co_await r->Sleep(d);
+}
+
 class ConformanceTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -91,14 +133,32 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
     reactor_ = *std::move(r);
     ProviderOptions o;
     o.kind = GetParam();
+    // In the VM each end may sit on its own device (veth: rxe0 and rxe1).
+    const char* dev_a = std::getenv("COVERBS_VM_DEV");
+    const char* dev_b = std::getenv("COVERBS_VM_DEV_B");
+    if (o.kind == "verbs" && dev_a != nullptr) o.device = dev_a;
     auto d = Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);
+    Device* device_b = device_.get();
+    if (o.kind == "verbs" && dev_a != nullptr && dev_b != nullptr &&
+        std::string(dev_a) != dev_b) {
+      o.device = dev_b;
+      auto db = Device::Open(o);
+      ASSERT_TRUE(db.ok()) << db.status();
+      device_b_ = *std::move(db);
+      device_b = device_b_.get();
+    }
     auto pa = device_->AllocPd();
-    auto pb = device_->AllocPd();
+    auto pb = device_b->AllocPd();
     ASSERT_TRUE(pa.ok() && pb.ok());
     pd_a_ = *std::move(pa);
     pd_b_ = *std::move(pb);
+    if (device_b_ != nullptr) {
+      auto cqb = CompletionQueue::Create(*device_b_, *reactor_);
+      ASSERT_TRUE(cqb.ok()) << cqb.status();
+      cq_b_ = *std::move(cqb);
+    }
     auto cq = CompletionQueue::Create(*device_, *reactor_);
     ASSERT_TRUE(cq.ok()) << cq.status();
     cq_ = *std::move(cq);
@@ -108,6 +168,7 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
   void TearDown() override {
     a_.reset();
     b_.reset();
+    cq_b_.reset();
     cq_.reset();
   }
 
@@ -116,7 +177,8 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
   void Connect(QpOptions opts) {
     a_.reset();
     b_.reset();
-    auto pair = QueuePair::CreatePair(*pd_a_, *cq_, *pd_b_, *cq_, opts);
+    CompletionQueue& cq_b = cq_b_ ? *cq_b_ : *cq_;
+    auto pair = QueuePair::CreatePair(*pd_a_, *cq_, *pd_b_, cq_b, opts);
     ASSERT_TRUE(pair.ok()) << pair.status();
     a_ = std::move(pair->first);
     b_ = std::move(pair->second);
@@ -183,16 +245,41 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(Run(t(reactor_.get(), out)).ok()) << "completion never came";
   }
 
+  ErrorModel model() const { return ModelFor(caps()); }
+
+  // An error that only the responder detected (iWARP: the requester's
+  // WRITE/SEND completed when handed to TCP). The responder terminates the
+  // connection, but siw (Linux 6.1) then leaves the QPs in an error state
+  // that ibv_query_qp does not report and never completes work requests
+  // posted afterwards -- not even with a flush -- so probing the dead
+  // connection from here could only hang. The caller has already checked
+  // what matters most: the target memory was not touched.
+  void ExpectConnectionDies() {
+    GTEST_SKIP() << caps().device_name
+                 << ": the requester's operation completed (iWARP reports "
+                    "remote errors to the responder only); probing the "
+                    "terminated connection is skipped because siw does not "
+                    "complete work requests posted after a TERMINATE";
+  }
+
+  // A remote error: on IB/RoCE/soft the op fails with `want`; on iWARP it
+  // fails with `want` or completes, and then the connection dies.
+  void ExpectRemoteError(const absl::StatusOr<WorkCompletion>& r,
+                         ibv_wc_status want) {
+    if (model().requester_sees_remote_errors || !r.ok()) {
+      EXPECT_EQ(StatusOf(r.status()), want) << r.status();
+      EXPECT_TRUE(a_->in_error());
+      return;
+    }
+    ExpectConnectionDies();
+  }
+
   std::unique_ptr<Reactor> reactor_;
-  std::unique_ptr<Device> device_;
+  std::unique_ptr<Device> device_, device_b_;
   std::unique_ptr<ProtectionDomain> pd_a_, pd_b_;
-  std::unique_ptr<CompletionQueue> cq_;
+  std::unique_ptr<CompletionQueue> cq_, cq_b_;
   std::unique_ptr<QueuePair> a_, b_;
 };
-
-Task<absl::StatusOr<WorkCompletion>> Await(QueuePair::Op&& op) {
-  co_return co_await op;
-}
 
 TEST_P(ConformanceTest, SendRecvWithDataVerification) {
   Mem src = Reg(pd_a_.get(), 4096), dst = Reg(pd_b_.get(), 4096);
@@ -314,6 +401,11 @@ TEST_P(ConformanceTest, RdmaWriteWithImmediateConsumesReceive) {
 }
 
 TEST_P(ConformanceTest, RdmaReadWithScatter) {
+  if (caps().max_sge_rd != 0 && caps().max_sge_rd < 2) {
+    GTEST_SKIP() << caps().device_name << " allows " << caps().max_sge_rd
+                 << " SGE per RDMA READ (single-SGE reads are covered by "
+                    "the registration cache and error tests)";
+  }
   Mem remote = Reg(pd_b_.get(), 4096), local = Reg(pd_a_.get(), 4096);
   remote.Fill(33);
   LocalBuffer scatter[] = {local.Local(0, 1000), local.Local(2000, 1048)};
@@ -437,6 +529,11 @@ TEST_P(ConformanceTest, BadRkeyIsRemoteAccessError) {
   RemoteRegion bad = target.Remote();
   bad.rkey ^= 0x5a5a00;
   auto w = Run(Await(a_->Write(src.Local(), bad)));
+  if (!model().requester_sees_remote_errors && w.ok()) {
+    for (std::byte b : target.bytes) ASSERT_EQ(b, std::byte{0});
+    ExpectConnectionDies();
+    return;
+  }
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
   EXPECT_EQ(w.status().code(), absl::StatusCode::kPermissionDenied);
@@ -452,23 +549,23 @@ TEST_P(ConformanceTest, OutOfBoundsIsRemoteAccessError) {
   RemoteRegion r = target.Remote();
   r.addr += 32;  // 32 bytes past the end for a 64-byte write
   auto w = Run(Await(a_->Write(src.Local(0, 64), r)));
-  EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
-  EXPECT_TRUE(a_->in_error());
+  ExpectRemoteError(w, IBV_WC_REM_ACCESS_ERR);
+  for (std::byte b : target.bytes) ASSERT_EQ(b, std::byte{0});
 }
 
 TEST_P(ConformanceTest, MissingAccessFlagIsRemoteAccessError) {
   Mem src = Reg(pd_a_.get(), 64);
   Mem readonly = Reg(pd_b_.get(), 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
   auto w = Run(Await(a_->Write(src.Local(), readonly.Remote())));
-  EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
-  EXPECT_TRUE(a_->in_error());
+  ExpectRemoteError(w, IBV_WC_REM_ACCESS_ERR);
+  for (std::byte b : readonly.bytes) ASSERT_EQ(b, std::byte{0});
 }
 
 TEST_P(ConformanceTest, ReadWithoutRemoteReadIsRemoteAccessError) {
   Mem local = Reg(pd_a_.get(), 64);
   Mem writeonly = Reg(pd_b_.get(), 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   auto r = Run(Await(a_->Read(local.Local(), writeonly.Remote())));
-  EXPECT_EQ(StatusOf(r.status()), IBV_WC_REM_ACCESS_ERR) << r.status();
+  ExpectRemoteError(r, IBV_WC_REM_ACCESS_ERR);
 }
 
 TEST_P(ConformanceTest, WrongProtectionDomainIsRemoteAccessError) {
@@ -476,11 +573,18 @@ TEST_P(ConformanceTest, WrongProtectionDomainIsRemoteAccessError) {
   // Registered in a's PD, but the target QP (b) belongs to b's PD.
   Mem other_pd = Reg(pd_a_.get(), 64);
   auto w = Run(Await(a_->Write(src.Local(), other_pd.Remote())));
-  EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
-  EXPECT_TRUE(a_->in_error());
+  ExpectRemoteError(w, IBV_WC_REM_ACCESS_ERR);
+  for (std::byte b : other_pd.bytes) ASSERT_EQ(b, std::byte{0});
 }
 
 TEST_P(ConformanceTest, RnrRetriesExhausted) {
+  if (!model().has_rnr) {
+    // iWARP: no RNR; the responder terminates the connection instead.
+    Mem src = Reg(pd_a_.get(), 64);
+    auto s = Run(Await(a_->Send(src.Local())));
+    ExpectRemoteError(s, IBV_WC_RNR_RETRY_EXC_ERR);
+    return;
+  }
   QpOptions o;
   o.rnr_retry = 1;
   o.min_rnr_timer = 1;  // shortest RNR wait
@@ -499,10 +603,10 @@ TEST_P(ConformanceTest, SendLargerThanReceiveIsLengthError) {
   SpawnRecv(b_.get(), small.Local(), &recv);
   auto s = Run(Await(a_->Send(src.Local(0, 200))));
   WaitFor(&recv);
-  EXPECT_EQ(StatusOf(recv.status()), IBV_WC_LOC_LEN_ERR) << recv.status();
-  EXPECT_EQ(StatusOf(s.status()), IBV_WC_REM_INV_REQ_ERR) << s.status();
-  EXPECT_TRUE(a_->in_error());
+  EXPECT_EQ(StatusOf(recv.status()), model().short_recv_responder)
+      << recv.status();
   EXPECT_TRUE(b_->in_error());
+  ExpectRemoteError(s, model().short_recv_requester);
 }
 
 TEST_P(ConformanceTest, BadLkeyIsLocalProtectionError) {
@@ -512,7 +616,7 @@ TEST_P(ConformanceTest, BadLkeyIsLocalProtectionError) {
   LocalBuffer bad = src.Local();
   bad.lkey ^= 0x3c3c00;
   auto s = Run(Await(a_->Send(bad)));
-  EXPECT_EQ(StatusOf(s.status()), IBV_WC_LOC_PROT_ERR) << s.status();
+  EXPECT_EQ(StatusOf(s.status()), model().bad_lkey) << s.status();
   EXPECT_TRUE(a_->in_error());
 }
 
@@ -628,7 +732,7 @@ TEST_P(ConformanceTest, DeregisteredRegionCannotBeWritten) {
   target.mr.Deregister();  // revoke
   std::fill(target.bytes.begin(), target.bytes.end(), std::byte{0});
   auto w = Run(Await(a_->Write(src.Local(), token)));
-  EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
+  ExpectRemoteError(w, IBV_WC_REM_ACCESS_ERR);
   for (std::byte b : target.bytes) ASSERT_EQ(b, std::byte{0});
 }
 
@@ -691,8 +795,10 @@ TEST_P(ConformanceTest, RegistrationCacheHitMissInvalidate) {
   EXPECT_EQ(cache.Invalidate(buf.data(), 8192), 1u);
   EXPECT_EQ(cache.size(), 0u);
   Mem src = Reg(pd_a_.get(), 64);
+  std::fill(buf.begin(), buf.end(), std::byte{0});
   auto w = Run(Await(a_->Write(src.Local(), old)));
-  EXPECT_EQ(StatusOf(w.status()), IBV_WC_REM_ACCESS_ERR) << w.status();
+  ExpectRemoteError(w, IBV_WC_REM_ACCESS_ERR);
+  for (std::byte b : buf) ASSERT_EQ(b, std::byte{0});
   // Bounded: a third distinct buffer evicts the least recently used.
   Connect(QpOptions{});
   std::vector<std::byte> x(4096), y(4096), z(4096);

@@ -365,6 +365,7 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   const ibv_device_attr& a = dev->attr;
   caps.max_qp_wr = a.max_qp_wr > 0 ? a.max_qp_wr : 0;
   caps.max_sge = a.max_sge > 0 ? a.max_sge : 0;
+  caps.max_sge_rd = a.max_sge_rd > 0 ? a.max_sge_rd : caps.max_sge;
   caps.max_cqe = a.max_cqe > 0 ? a.max_cqe : 0;
   caps.max_srq_wr = a.max_srq_wr > 0 ? a.max_srq_wr : 0;
   caps.max_mr_size = a.max_mr_size;
