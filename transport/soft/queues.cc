@@ -175,6 +175,11 @@ absl::Status RecvQueue::Post(ibv_recv_wr* wr, ibv_recv_wr** bad,
           "(EINVAL)",
           qp_num, wr->num_sge, max_sge_));
     }
+    if (wr->num_sge > 0 && wr->sg_list == nullptr) {
+      if (bad) *bad = wr;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post recv on qp %u: null sg_list (EINVAL)", qp_num));
+    }
     if (head_ - tail_ >= capacity_) {
       if (bad) *bad = wr;
       return absl::ResourceExhaustedError(absl::StrFormat(
