@@ -359,7 +359,10 @@ bool QpCore::RecvResult(ssize_t n) {
     rx_ready_ = false;
     return false;
   }
-  if (errno == EINTR) return false;
+  if (errno == EINTR) {
+    engine_->Activate(this);  // try again next iteration
+    return false;
+  }
   if (err_) {
     CloseNow();
   } else {
@@ -651,7 +654,6 @@ void QpCore::StartFrame(const wire::Header& h) {
           st = IBV_WC_REM_OP_ERR;
         }
         CompleteWqe(h.seq, st);
-        PublishTail();
         EnterError(Cause::kFault,
                    absl::StrFormat("request %u failed at the responder: %s",
                                    h.seq, WcStatusName(st)));
@@ -660,7 +662,6 @@ void QpCore::StartFrame(const wire::Header& h) {
       uint8_t limit = cfg_.init.rnr_retry;
       if (limit != 7 && w.rnr_retries >= limit) {
         CompleteWqe(h.seq, IBV_WC_RNR_RETRY_EXC_ERR);
-        PublishTail();
         EnterError(Cause::kFault,
                    absl::StrFormat("RNR retries exhausted (rnr_retry %u)",
                                    limit));
@@ -1084,9 +1085,8 @@ bool QpCore::Build() {
       // Completed in order: only once every earlier WR has completed.
       if (seq == comp_ptr_) {
         uint8_t st = w.status;
+        CompleteWqe(seq, st);  // never sent: no READ/atomic credit to return
         ++send_ptr_;
-        CompleteWqe(seq, st);
-        PublishTail();
         EnterError(Cause::kFault,
                    absl::StrFormat("work request %u failed locally: %s", seq,
                                    WcStatusName(st)));
@@ -1196,7 +1196,10 @@ bool QpCore::SendPending() {
       engine_->WatchOut(this);
       return false;
     }
-    if (errno == EINTR) return false;
+    if (errno == EINTR) {
+      engine_->Activate(this);
+      return false;
+    }
     if (err_) {
       ResetTx();
       CloseNow();
