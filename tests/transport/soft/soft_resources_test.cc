@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <set>
 #include <thread>
 #include <vector>
@@ -306,6 +307,33 @@ TEST_F(SoftResourcesTest, IdleProgressThreadSleeps) {
   double before = CpuSeconds();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_LT(CpuSeconds() - before, 0.05);
+}
+
+
+// Objects still alive at exit(): the progress thread is stopped and joined by
+// an atexit handler and the process ends normally.
+TEST(SoftExitTest, LeakedObjectsDoNotHangExit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto provider = CreateSoftProvider();
+        auto pd = *provider->AllocPd();
+        auto cq = *provider->CreateCq(64);
+        QpInit init;
+        init.send_cq = init.recv_cq = cq.get();
+        init.max_inline_data = 16;
+        auto pair =
+            *provider->CreateConnectedPair(pd.get(), init, pd.get(), init);
+        uint32_t v = 1;
+        ibv_sge s = Sge(&v, 4, 0);
+        // Stuck in RNR (no receive posted) while the process exits.
+        if (!PostSend1(pair.a.get(), 1, IBV_WR_SEND, &s, 1, IBV_SEND_INLINE)
+                 .ok()) {
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace
