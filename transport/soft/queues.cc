@@ -70,6 +70,7 @@ bool CqCore::Push(const ibv_wc& wc) {
     if (overrun_) return false;
     if (head_ - tail_ >= ring_.size()) {
       overrun_ = true;
+      overrun_seen_.store(true, std::memory_order_release);
       report_overrun = true;
     } else {
       ring_[head_ % ring_.size()] = wc;
@@ -102,8 +103,7 @@ bool CqCore::Push(const ibv_wc& wc) {
 int CqCore::Poll(int n, ibv_wc* out) {
   if (n <= 0) return n == 0 ? 0 : -EINVAL;
   if (count_.load(std::memory_order_acquire) == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return overrun_ && head_ == tail_ ? -EOVERFLOW : 0;
+    return overrun_seen_.load(std::memory_order_acquire) ? -EOVERFLOW : 0;
   }
   std::lock_guard<std::mutex> lock(mu_);
   int got = 0;
