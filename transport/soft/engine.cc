@@ -124,41 +124,31 @@ void Engine::Stop() {
 
 void Engine::StopForExit() { Stop(); }
 
-void Engine::Kick(QpCore* qp) {
+void Engine::Kick(QpCore* qp) { Enqueue(Item{qp, nullptr}); }
+
+void Engine::Post(absl::AnyInvocable<void()> fn) {
+  Enqueue(Item{nullptr, std::move(fn)});
+}
+
+void Engine::Enqueue(Item item) {
   bool wake;
   {
     std::unique_lock<std::mutex> lock(inbox_mu_);
     if (stopped_) {
+      // After exit-time stop: run here, one caller at a time.
       lock.unlock();
       std::lock_guard<std::mutex> inline_lock(inline_mu_);
       AccessEpoch::Enter();
-      qp->OnKick();
-      qp->Service();
+      if (item.kick) {
+        item.kick->OnKick();
+        item.kick->Service();
+      } else {
+        item.fn();
+      }
       AccessEpoch::Exit();
       return;
     }
-    inbox_.push_back(Item{qp, nullptr});
-    wake = !wake_pending_;
-    wake_pending_ = true;
-  }
-  if (wake) {
-    uint64_t one = 1;
-    ssize_t n = write(wake_fd_, &one, sizeof(one));
-    (void)n;
-  }
-}
-
-void Engine::Post(absl::AnyInvocable<void()> fn) {
-  bool wake;
-  {
-    std::unique_lock<std::mutex> lock(inbox_mu_);
-    if (stopped_) {
-      lock.unlock();
-      std::lock_guard<std::mutex> inline_lock(inline_mu_);
-      fn();
-      return;
-    }
-    inbox_.push_back(Item{nullptr, std::move(fn)});
+    inbox_.push_back(std::move(item));
     wake = !wake_pending_;
     wake_pending_ = true;
   }

@@ -76,6 +76,7 @@ class Engine {
     QpCore* kick = nullptr;
     absl::AnyInvocable<void()> fn;
   };
+  void Enqueue(Item item);
   struct Timer {
     SteadyTime when;
     uint64_t id;

@@ -199,7 +199,7 @@ class QpCore {
 
   // Progress thread: transmit.
   void DoTx();
-  bool SendPending();
+  bool SendPending(size_t* budget);
   bool Build();
   void AppendHeader(const wire::Header& h, const char* extra, size_t n);
   void AppendUser(const char* p, size_t n, const std::shared_ptr<MrEntry>& mr,

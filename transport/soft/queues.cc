@@ -70,6 +70,7 @@ bool CqCore::Push(const ibv_wc& wc) {
     if (overrun_) return false;
     if (head_ - tail_ >= ring_.size()) {
       overrun_ = true;
+      overrun_seen_.store(true, std::memory_order_release);
       report_overrun = true;
     } else {
       ring_[head_ % ring_.size()] = wc;
@@ -102,8 +103,7 @@ bool CqCore::Push(const ibv_wc& wc) {
 int CqCore::Poll(int n, ibv_wc* out) {
   if (n <= 0) return n == 0 ? 0 : -EINVAL;
   if (count_.load(std::memory_order_acquire) == 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return overrun_ && head_ == tail_ ? -EOVERFLOW : 0;
+    return overrun_seen_.load(std::memory_order_acquire) ? -EOVERFLOW : 0;
   }
   std::lock_guard<std::mutex> lock(mu_);
   int got = 0;
@@ -174,6 +174,11 @@ absl::Status RecvQueue::Post(ibv_recv_wr* wr, ibv_recv_wr** bad,
           "soft: post recv on qp %u: num_sge %d exceeds max_recv_sge %u "
           "(EINVAL)",
           qp_num, wr->num_sge, max_sge_));
+    }
+    if (wr->num_sge > 0 && wr->sg_list == nullptr) {
+      if (bad) *bad = wr;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post recv on qp %u: null sg_list (EINVAL)", qp_num));
     }
     if (head_ - tail_ >= capacity_) {
       if (bad) *bad = wr;

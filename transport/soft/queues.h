@@ -76,6 +76,7 @@ class CqCore {
   uint64_t events_ = 0;  // delivered through GetEvents
   uint64_t acked_ = 0;
   std::atomic<uint64_t> count_{0};  // head_ - tail_, for a lock-free empty check
+  std::atomic<bool> overrun_seen_{false};  // overrun_, for the same check
 };
 
 // A posted receive, as the progress thread consumes it.

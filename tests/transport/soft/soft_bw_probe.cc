@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -158,6 +159,10 @@ int main(int argc, char** argv) {
   size_t msg = argc > 1 ? strtoull(argv[1], nullptr, 0) : (1 << 20);
   double secs = argc > 2 ? atof(argv[2]) : 2.0;
   int depth = argc > 3 ? atoi(argv[3]) : 16;
+  if (argc > 4 && std::string(argv[4]) == "soft") {  // for profiling
+    printf("soft send_bw %.2f GB/s\n", Soft(msg, secs, depth) / 1e9);
+    return 0;
+  }
   double raw = RawTcp(msg, secs);
   double soft = Soft(msg, secs, depth);
   double raw2 = RawTcp(msg, secs);

@@ -666,5 +666,53 @@ TEST_F(SoftProviderTest, ThreadsPostConcurrently) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+
+// Many connections on one progress thread, all completing on two shared CQs.
+TEST_F(SoftProviderTest, ManyQpsShareCqs) {
+  constexpr int kPairs = 32, kMsgs = 200, kLen = 1024;
+  std::vector<QpPair> pairs;
+  for (int p = 0; p < kPairs; ++p) {
+    auto pair = provider_->CreateConnectedPair(
+        pd_a_.get(), Init(cq_a_.get()), pd_b_.get(), Init(cq_b_.get()));
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    pairs.push_back(*std::move(pair));
+  }
+  std::vector<char> src(kPairs * kMsgs * kLen), dst(src.size(), 0);
+  Fill(src, 77);
+  auto smr = Reg(pd_a_.get(), src.data(), src.size());
+  auto dmr = Reg(pd_b_.get(), dst.data(), dst.size());
+  auto off = [&](int p, int m) { return (p * kMsgs + m) * kLen; };
+  for (int p = 0; p < kPairs; ++p) {
+    for (int m = 0; m < kMsgs; ++m) {
+      ibv_sge r = Sge(&dst[off(p, m)], kLen, dmr->lkey());
+      ASSERT_TRUE(PostRecv1(pairs[p].b.get(), off(p, m), &r, 1).ok());
+    }
+  }
+  // Interleave posts across QPs; each QP's window is its SQ depth.
+  for (int m = 0; m < kMsgs; m += 100) {
+    for (int p = 0; p < kPairs; ++p) {
+      for (int k = m; k < m + 100; ++k) {
+        ibv_sge s = Sge(&src[off(p, k)], kLen, smr->lkey());
+        ASSERT_TRUE(PostSend1(pairs[p].a.get(), off(p, k), IBV_WR_SEND, &s,
+                              1, IBV_SEND_SIGNALED)
+                        .ok());
+      }
+    }
+    std::vector<ibv_wc> ws = PollN(cq_a_.get(), kPairs * 100);
+    ASSERT_EQ(ws.size(), static_cast<size_t>(kPairs * 100));
+    for (const ibv_wc& w : ws) ASSERT_EQ(w.status, IBV_WC_SUCCESS);
+  }
+  std::vector<ibv_wc> rs = PollN(cq_b_.get(), kPairs * kMsgs);
+  ASSERT_EQ(rs.size(), static_cast<size_t>(kPairs * kMsgs));
+  std::vector<int> next(kPairs, 0);
+  for (const ibv_wc& w : rs) {
+    ASSERT_EQ(w.status, IBV_WC_SUCCESS);
+    int p = static_cast<int>(w.wr_id / (kMsgs * kLen));
+    ASSERT_EQ(w.qp_num, pairs[p].b->qp_num());
+    ASSERT_EQ(w.wr_id, static_cast<uint64_t>(off(p, next[p]++)));  // per QP
+  }
+  EXPECT_TRUE(src == dst);
+}
+
 }  // namespace
 }  // namespace coverbs::transport::soft::testing

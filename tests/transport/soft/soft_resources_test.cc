@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <set>
 #include <thread>
 #include <vector>
@@ -38,13 +39,28 @@ void SendOne(ProviderQp* qp, ProviderCq* cq, uint64_t id) {
           .ok());
 }
 
+// Polls without touching the completion channel (PollN arms the CQ).
+std::vector<ibv_wc> RawPoll(ProviderCq* cq, int n) {
+  std::vector<ibv_wc> out;
+  auto deadline = Clock::now() + kWait;
+  ibv_wc w;
+  while (static_cast<int>(out.size()) < n && Clock::now() < deadline) {
+    if (cq->Poll(1, &w) == 1) {
+      out.push_back(w);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return out;
+}
+
 TEST_F(SoftResourcesTest, CompletionChannelArming) {
   Connect();
   std::vector<uint32_t> dst(8);
   auto dmr = Reg(pd_b_.get(), dst.data(), dst.size() * 4);
   for (int i = 0; i < 8; ++i) {
     ibv_sge r = Sge(&dst[i], 4, dmr->lkey());
-    ASSERT_TRUE(PostRecv1(b(), i, &r, 1).ok());
+    ASSERT_TRUE(PostRecv1(b(), 100 + i, &r, 1).ok());
   }
   int fd = cq_a_->fd();
   EXPECT_FALSE(Readable(fd));
@@ -52,23 +68,32 @@ TEST_F(SoftResourcesTest, CompletionChannelArming) {
 
   // A completion on an unarmed CQ does not make the channel readable.
   SendOne(a(), cq_a_.get(), 1);
-  ibv_wc w;
-  auto deadline = Clock::now() + kWait;
-  while (cq_a_->Poll(1, &w) == 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  EXPECT_EQ(w.wr_id, 1u);
+  std::vector<ibv_wc> w = RawPoll(cq_a_.get(), 1);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].wr_id, 1u);
   EXPECT_FALSE(ReadableWithin(fd, 20));
+  ASSERT_EQ(RawPoll(cq_b_.get(), 1).size(), 1u);
 
-  // Arming does not fire for completions already there.
+  // Arming does not fire for completions already in the CQ: the receive
+  // completion is known to be there once its event fired.
+  int bfd = cq_b_->fd();
+  ASSERT_TRUE(cq_b_->RequestNotify().ok());
   SendOne(a(), cq_a_.get(), 2);
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  ASSERT_TRUE(cq_a_->RequestNotify().ok());
-  EXPECT_FALSE(ReadableWithin(fd, 20));
-  ASSERT_EQ(cq_a_->Poll(1, &w), 1);
-  EXPECT_EQ(w.wr_id, 2u);
+  ASSERT_TRUE(ReadableWithin(bfd, 5000));
+  EXPECT_EQ(cq_b_->GetEvents(), 1);
+  cq_b_->AckEvents(1);
+  ASSERT_TRUE(cq_b_->RequestNotify().ok());
+  EXPECT_FALSE(ReadableWithin(bfd, 30));
+  w = RawPoll(cq_b_.get(), 1);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].wr_id, 101u);
+  w = RawPoll(cq_a_.get(), 1);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].wr_id, 2u);
+  EXPECT_FALSE(Readable(fd));
 
   // Armed + a new completion: readable, one event.
+  ASSERT_TRUE(cq_a_->RequestNotify().ok());
   SendOne(a(), cq_a_.get(), 3);
   EXPECT_TRUE(ReadableWithin(fd, 5000));
   EXPECT_EQ(cq_a_->GetEvents(), 1);
@@ -76,28 +101,26 @@ TEST_F(SoftResourcesTest, CompletionChannelArming) {
   EXPECT_EQ(UnackedCqEvents(cq_a_.get()), 1);
   cq_a_->AckEvents(1);
   EXPECT_EQ(UnackedCqEvents(cq_a_.get()), 0);
-  ASSERT_EQ(cq_a_->Poll(1, &w), 1);
-  EXPECT_EQ(w.wr_id, 3u);
+  w = RawPoll(cq_a_.get(), 1);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].wr_id, 3u);
 
   // One-shot: the next completion without re-arming stays silent.
   SendOne(a(), cq_a_.get(), 4);
-  EXPECT_FALSE(ReadableWithin(fd, 30));
-  EXPECT_EQ(PollOne(cq_a_.get()).wr_id, 4u);
+  w = RawPoll(cq_a_.get(), 1);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].wr_id, 4u);
+  EXPECT_FALSE(ReadableWithin(fd, 20));
 
   // Several completions after one arm: a single event.
   ASSERT_TRUE(cq_a_->RequestNotify().ok());
   SendOne(a(), cq_a_.get(), 5);
   SendOne(a(), cq_a_.get(), 6);
   EXPECT_TRUE(ReadableWithin(fd, 5000));
-  int got = 0;  // raw polling: PollN would arm the CQ itself
-  deadline = Clock::now() + kWait;
-  while (got < 2 && Clock::now() < deadline) {
-    got += cq_a_->Poll(1, &w);
-    if (got < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  EXPECT_EQ(got, 2);
+  EXPECT_EQ(RawPoll(cq_a_.get(), 2).size(), 2u);
   EXPECT_EQ(cq_a_->GetEvents(), 1);
   cq_a_->AckEvents(1);
+  EXPECT_FALSE(Readable(fd));
 }
 
 TEST_F(SoftResourcesTest, CqOverrunIsReported) {
@@ -284,6 +307,33 @@ TEST_F(SoftResourcesTest, IdleProgressThreadSleeps) {
   double before = CpuSeconds();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_LT(CpuSeconds() - before, 0.05);
+}
+
+
+// Objects still alive at exit(): the progress thread is stopped and joined by
+// an atexit handler and the process ends normally.
+TEST(SoftExitTest, LeakedObjectsDoNotHangExit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto provider = CreateSoftProvider();
+        auto pd = *provider->AllocPd();
+        auto cq = *provider->CreateCq(64);
+        QpInit init;
+        init.send_cq = init.recv_cq = cq.get();
+        init.max_inline_data = 16;
+        auto pair =
+            *provider->CreateConnectedPair(pd.get(), init, pd.get(), init);
+        uint32_t v = 1;
+        ibv_sge s = Sge(&v, 4, 0);
+        // Stuck in RNR (no receive posted) while the process exits.
+        if (!PostSend1(pair.a.get(), 1, IBV_WR_SEND, &s, 1, IBV_SEND_INLINE)
+                 .ok()) {
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace
