@@ -187,6 +187,12 @@ absl::StatusOr<WorkCompletion> OpBase::await_resume() {
 // RecvHandler
 
 void RecvHandler::OnCompletion(const ibv_wc& wc) {
+  if (SharedReceiveQueue* srq = srq_) {
+    --srq->posted_;
+    srq->cq_->AddInFlight(-1);
+    OnRecv(wc);
+    return;
+  }
   QueuePair* qp = qp_;
   if (qp != nullptr) {
     ++qp->rq_free_;
@@ -200,6 +206,55 @@ void RecvHandler::OnCompletion(const ibv_wc& wc) {
     qp->OnOpDone();
   }
   OnRecv(wc);
+}
+
+// ---------------------------------------------------------------------------
+// SharedReceiveQueue
+
+absl::StatusOr<std::unique_ptr<SharedReceiveQueue>> SharedReceiveQueue::Create(
+    ProtectionDomain& pd, CompletionQueue& cq, uint32_t max_wr,
+    uint32_t max_sge) {
+  absl::Status r = cq.Reserve(static_cast<int>(max_wr));
+  if (!r.ok()) return r;
+  auto srq = pd.provider()->CreateSrq(max_wr, max_sge);
+  if (!srq.ok()) {
+    cq.Unreserve(static_cast<int>(max_wr));
+    return srq.status();
+  }
+  return std::unique_ptr<SharedReceiveQueue>(
+      new SharedReceiveQueue(*std::move(srq), &cq, max_wr));
+}
+
+SharedReceiveQueue::~SharedReceiveQueue() {
+  if (posted_ > 0) {
+    std::fprintf(stderr,
+                 "coverbs: SharedReceiveQueue destroyed with %u receives "
+                 "posted; destroy (and drain) its QPs first\n",
+                 posted_);
+  }
+  cq_->Unreserve(static_cast<int>(max_wr_));
+}
+
+absl::Status SharedReceiveQueue::PostRecv(RecvHandler* h,
+                                          std::span<const LocalBuffer> bufs) {
+  if (posted_ >= max_wr_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "RECV on SRQ: all %u receives are posted", max_wr_));
+  }
+  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
+  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
+  ibv_recv_wr wr{};
+  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
+  wr.sg_list = sges.data();
+  wr.num_sge = static_cast<int>(sges.size());
+  ibv_recv_wr* bad = nullptr;
+  absl::Status s = srq_->PostRecv(&wr, &bad);
+  if (!s.ok()) return s;
+  h->srq_ = this;
+  h->qp_ = nullptr;
+  ++posted_;
+  cq_->AddInFlight(1);
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------

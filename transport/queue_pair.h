@@ -171,6 +171,7 @@ class OpBase : public WorkRequest,
 // A receive whose completion goes to a handler instead of a coroutine (the
 // messaging layer keeps a ring of these posted). Must stay alive until its
 // completion was delivered (or the QP was closed).
+class SharedReceiveQueue;
 class RecvHandler : public WorkRequest {
  public:
   virtual void OnRecv(const ibv_wc& wc) = 0;
@@ -180,8 +181,39 @@ class RecvHandler : public WorkRequest {
 
  private:
   friend class QueuePair;
+  friend class SharedReceiveQueue;
   void OnCompletion(const ibv_wc& wc) final;
   QueuePair* qp_ = nullptr;
+  SharedReceiveQueue* srq_ = nullptr;
+};
+
+// A receive queue shared by many QPs (servers with many connections post
+// one pool of receives instead of one per connection). Receives complete to
+// RecvHandlers on the CQ of whichever QP the message arrived on; `cq` is
+// the CQ those QPs use (its entries are reserved for the SRQ's depth).
+// Create QPs with QpOptions::srq = srq->provider().
+class SharedReceiveQueue {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedReceiveQueue>> Create(
+      ProtectionDomain& pd, CompletionQueue& cq, uint32_t max_wr,
+      uint32_t max_sge = 1);
+  ~SharedReceiveQueue();
+
+  // Fails with ResourceExhausted when `max_wr` receives are posted.
+  absl::Status PostRecv(RecvHandler* h, std::span<const LocalBuffer> bufs);
+  ProviderSrq* provider() const { return srq_.get(); }
+  uint32_t capacity() const { return max_wr_; }
+  uint32_t posted() const { return posted_; }
+
+ private:
+  friend class RecvHandler;
+  SharedReceiveQueue(std::unique_ptr<ProviderSrq> srq, CompletionQueue* cq,
+                     uint32_t max_wr)
+      : srq_(std::move(srq)), cq_(cq), max_wr_(max_wr) {}
+  std::unique_ptr<ProviderSrq> srq_;
+  CompletionQueue* cq_;
+  uint32_t max_wr_;
+  uint32_t posted_ = 0;
 };
 
 // A list of send-queue work requests posted with one post call and one

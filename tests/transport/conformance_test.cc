@@ -809,6 +809,69 @@ TEST_P(ConformanceTest, RegistrationCacheHitMissInvalidate) {
   EXPECT_EQ(cache.evictions(), 1u);
 }
 
+// Two QPs in one PD share a receive queue; SENDs from the peer land in the
+// SRQ's buffers and complete to their handlers.
+TEST_P(ConformanceTest, SharedReceiveQueue) {
+  if (device_b_ != nullptr) GTEST_SKIP() << "needs both ends on one device";
+  if (caps().active_side_sends_first) {
+    GTEST_SKIP() << caps().device_name
+                 << " (iWARP): both QPs here receive through the SRQ and the "
+                    "active side must speak first; covered on IB/RoCE/soft";
+  }
+  a_.reset();
+  b_.reset();
+  auto srq = SharedReceiveQueue::Create(*pd_b_, *cq_, 16);
+  if (!srq.ok() && srq.status().code() == absl::StatusCode::kUnimplemented) {
+    GTEST_SKIP() << caps().device_name << ": " << srq.status();
+  }
+  ASSERT_TRUE(srq.ok()) << srq.status();
+  QpOptions o;
+  o.srq = (*srq)->provider();
+  // The pair helper applies one set of options to both sides: both QPs, in
+  // b's PD, receive through the SRQ.
+  auto pair = QueuePair::CreatePair(*pd_b_, *cq_, *pd_b_, *cq_, o);
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  auto& [sender, receiver] = *pair;
+  struct Slot : RecvHandler {
+    std::vector<ibv_wc>* got;
+    void OnRecv(const ibv_wc& wc) override { got->push_back(wc); }
+  };
+  constexpr int kN = 8;
+  Mem rx = Reg(pd_b_.get(), kN * 64), tx = Reg(pd_b_.get(), kN * 64);
+  tx.Fill(4);
+  std::vector<ibv_wc> got;
+  std::vector<Slot> slots(kN);
+  for (int i = 0; i < kN; ++i) {
+    slots[i].got = &got;
+    LocalBuffer l = rx.Local(i * 64, 64);
+    ASSERT_TRUE((*srq)->PostRecv(&slots[i], std::span<const LocalBuffer>(&l, 1)).ok());
+  }
+  EXPECT_EQ((*srq)->posted(), static_cast<uint32_t>(kN));
+  // Receives must go through the SRQ, not the QP.
+  auto direct = Run(Await(receiver->Recv(rx.Local(0, 8))));
+  EXPECT_EQ(direct.status().code(), absl::StatusCode::kInvalidArgument);
+  for (int i = 0; i < kN; ++i) {
+    auto s = Run(Await(sender->Send(tx.Local(i * 64, 64))));
+    ASSERT_TRUE(s.ok()) << s.status();
+  }
+  auto wait = [](Reactor* r, std::vector<ibv_wc>* got) -> Task<absl::Status> {
+    while (got->size() < kN) {
+      absl::Status st = co_await r->Sleep(absl::Milliseconds(1));
+      if (!st.ok()) co_return st;
+    }
+    co_return absl::OkStatus();
+  };
+  ASSERT_TRUE(Run(wait(reactor_.get(), &got)).ok());
+  for (const ibv_wc& wc : got) {
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wc.byte_len, 64u);
+  }
+  EXPECT_TRUE(rx.Matches(4, 0, kN * 64));
+  EXPECT_EQ((*srq)->posted(), 0u);
+  receiver.reset();
+  sender.reset();
+}
+
 TEST_P(ConformanceTest, ReportsCapabilities) {
   const DeviceCaps& c = caps();
   EXPECT_FALSE(c.device_name.empty());
