@@ -45,27 +45,6 @@ const char* WcStatusName(ibv_wc_status s) {
   return "IBV_WC_UNKNOWN";
 }
 
-const char* WrOpcodeName(ibv_wr_opcode op) {
-  switch (op) {
-    case IBV_WR_SEND:
-      return "SEND";
-    case IBV_WR_SEND_WITH_IMM:
-      return "SEND_WITH_IMM";
-    case IBV_WR_RDMA_WRITE:
-      return "RDMA_WRITE";
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return "RDMA_WRITE_WITH_IMM";
-    case IBV_WR_RDMA_READ:
-      return "RDMA_READ";
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-      return "ATOMIC_CMP_AND_SWP";
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return "ATOMIC_FETCH_AND_ADD";
-    default:
-      return "WR";
-  }
-}
-
 absl::StatusCode CodeForWcStatus(ibv_wc_status s) {
   switch (s) {
     case IBV_WC_SUCCESS:

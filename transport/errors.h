@@ -15,13 +15,12 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "transport/provider.h"
 
 namespace coverbs::transport {
 
 // Name of the ibv_wc_status enumerator ("IBV_WC_REM_ACCESS_ERR").
 const char* WcStatusName(ibv_wc_status s);
-// Name of a work request opcode ("SEND", "RDMA_WRITE", ...).
-const char* WrOpcodeName(ibv_wr_opcode op);
 
 // The canonical code for a completion status: REM_ACCESS_ERR and
 // LOC_PROT_ERR -> PermissionDenied, WR_FLUSH_ERR -> Aborted,

@@ -45,6 +45,8 @@ enum class TransportKind {
   kSoft,        // coverbs' software RNIC over TCP
 };
 const char* TransportKindName(TransportKind k);
+// Name of a work request opcode ("SEND", "RDMA_WRITE", ...).
+const char* WrOpcodeName(ibv_wr_opcode op);
 
 // What the device can do. Upper layers check these instead of assuming IB.
 struct DeviceCaps {

@@ -35,8 +35,6 @@ int VerbsErrno(int ret, int saved_errno);
 // message is "<what>: <strerror> (errno N)".
 absl::Status ErrnoStatus(int err, std::string_view what);
 
-const char* WrOpcodeName(ibv_wr_opcode op);
-const char* TransportName(TransportKind k);
 std::string GidToString(const ibv_gid& gid);
 bool GidIsZero(const ibv_gid& gid);
 bool GidIsIpv4Mapped(const ibv_gid& gid);

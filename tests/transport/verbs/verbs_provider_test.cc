@@ -53,20 +53,6 @@ const char* Env(const char* name) {
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
 
-const char* Kind(TransportKind k) {
-  switch (k) {
-    case TransportKind::kInfiniBand:
-      return "InfiniBand";
-    case TransportKind::kRoCE:
-      return "RoCE";
-    case TransportKind::kIWarp:
-      return "iWARP";
-    case TransportKind::kSoft:
-      return "soft";
-  }
-  return "?";
-}
-
 std::string WcString(const ibv_wc& wc) {
   return absl::StrFormat("wr_id=%u status=%s opcode=%d byte_len=%u qp=0x%x",
                          wc.wr_id, ibv_wc_status_str(wc.status), wc.opcode,
@@ -241,7 +227,7 @@ TEST_F(VerbsPairTest, CapsDescribeTheDevice) {
       "device %s port %d transport %s gid_index %d max_qp_wr %u max_sge %u "
       "max_cqe %u max_inline %u max_srq_wr %u max_rd_atom %u atomics %d "
       "write_imm %d send_imm %d active_first %d\n",
-      c.device_name.c_str(), c.port, Kind(c.transport), c.gid_index,
+      c.device_name.c_str(), c.port, TransportKindName(c.transport), c.gid_index,
       c.max_qp_wr, c.max_sge, c.max_cqe, c.max_inline_data, c.max_srq_wr,
       c.max_qp_rd_atom, c.atomics, c.write_with_imm, c.send_with_imm,
       c.active_side_sends_first);
