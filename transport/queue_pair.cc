@@ -544,6 +544,15 @@ absl::Status QueuePair::PostRecv(RecvHandler* h,
 
 // --- Operation builders.
 
+void QueuePair::LimitSges(internal_qp::OpSpec& spec, const char* limit_name,
+                          uint32_t limit) const {
+  if (spec.bufs.size() > limit) {
+    spec.error = absl::InvalidArgumentError(
+        absl::StrFormat("%s on QP 0x%x: %u SGEs exceed %s %u", spec.name,
+                        qp_num_, spec.bufs.size(), limit_name, limit));
+  }
+}
+
 QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
                               SendOptions o) {
   internal_qp::OpSpec spec;
@@ -568,11 +577,7 @@ QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
           qp_num_, total, max_inline_));
     }
   }
-  if (bufs.size() > options_.max_send_sge) {
-    spec.error = absl::InvalidArgumentError(absl::StrFormat(
-        "SEND on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
-        bufs.size(), options_.max_send_sge));
-  }
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
   return Op(this, spec);
 }
 
@@ -581,11 +586,7 @@ QueuePair::Op QueuePair::Recv(std::span<const LocalBuffer> bufs) {
   spec.name = "RECV";
   spec.recv = true;
   spec.bufs = bufs;
-  if (bufs.size() > options_.max_recv_sge) {
-    spec.error = absl::InvalidArgumentError(absl::StrFormat(
-        "RECV on QP 0x%x: %u SGEs exceed max_recv_sge %u", qp_num_,
-        bufs.size(), options_.max_recv_sge));
-  }
+  LimitSges(spec, "max_recv_sge", options_.max_recv_sge);
   return Op(this, spec);
 }
 
@@ -596,11 +597,7 @@ QueuePair::Op QueuePair::Write(std::span<const LocalBuffer> bufs,
   spec.opcode = IBV_WR_RDMA_WRITE;
   spec.bufs = bufs;
   spec.remote = remote;
-  if (bufs.size() > options_.max_send_sge) {
-    spec.error = absl::InvalidArgumentError(absl::StrFormat(
-        "RDMA_WRITE on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
-        bufs.size(), options_.max_send_sge));
-  }
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
   return Op(this, spec);
 }
 
@@ -634,11 +631,7 @@ QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
         "(%s)",
         qp_num_, bufs.size(), max_rd, caps().device_name));
   }
-  if (bufs.size() > options_.max_send_sge) {
-    spec.error = absl::InvalidArgumentError(absl::StrFormat(
-        "RDMA_READ on QP 0x%x: %u SGEs exceed max_send_sge %u", qp_num_,
-        bufs.size(), options_.max_send_sge));
-  }
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
   return Op(this, spec);
 }
 

@@ -319,6 +319,9 @@ class QueuePair {
   friend class RecvHandler;
   // Posts `op` now if slots allow, else queues it. Returns false if the op
   // completed synchronously (error) and the caller must not suspend.
+  // Fails `spec` (unposted) if it names more SGEs than `limit`.
+  void LimitSges(internal_qp::OpSpec& spec, const char* limit_name,
+                 uint32_t limit) const;
   bool Start(Op* op);
   absl::Status PostNow(Op* op);
   void CancelOp(Op* op);
