@@ -2,6 +2,7 @@
 #include "transport/verbs/verbs_provider.h"
 
 #include <errno.h>
+#include <unistd.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -152,8 +153,21 @@ class VerbsProvider : public Provider {
                                              const QpInit& init_b) override {
     absl::StatusOr<PairAddresses> addrs = Addresses();
     if (!addrs.ok()) return addrs.status();
-    return verbs_internal::ConnectPair(*addrs, pd_a, init_a, pd_b, init_b,
-                                       /*timeout_ms=*/0);
+    // siw's in-kernel TCP occasionally refuses a connection set up right
+    // after many others (EADDRNOTAVAIL: no free source port yet;
+    // ECONNREFUSED); both are transient, so try a few times.
+    absl::StatusOr<QpPair> pair;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      pair = verbs_internal::ConnectPair(*addrs, pd_a, init_a, pd_b, init_b,
+                                         /*timeout_ms=*/0);
+      if (pair.ok()) break;
+      std::string m(pair.status().message());
+      bool transient = m.find("(errno 99)") != std::string::npos ||
+                       m.find("(errno 111)") != std::string::npos;
+      if (!transient) break;
+      usleep(20000 * (attempt + 1));
+    }
+    return pair;
   }
 
   const std::shared_ptr<Device>& device() const { return dev_; }
