@@ -1,0 +1,192 @@
+// Connection: an established RC connection with messaging (SEND/RECV with
+// credits, rendezvous for large messages) and one-sided access.
+//
+//   absl::Status s = co_await conn->Send(bytes);
+//   absl::StatusOr<cm::Message> m = co_await conn->Recv();
+//   co_await conn->Read(local, remote);   // RDMA READ of an exposed region
+//
+// Contract (see cm/README.md for the wire protocol):
+//  - Messages keep their boundaries and arrive in Send order, small and large
+//    alike. Several coroutines may Send (and Recv) concurrently; each Send's
+//    message is ordered by the time the Send started.
+//  - Small messages (payload <= rendezvous_threshold) are SENT into receive
+//    buffers the peer pre-posted; the sender spends one credit per SEND and
+//    never sends without one (a correct peer never causes RNR). Credits
+//    return on every message header and by an explicit credit message when
+//    there is no reverse traffic.
+//  - Large messages use rendezvous: the sender announces the size, the
+//    receiver provides a registered buffer and answers with (addr, rkey),
+//    the sender RDMA WRITEs and then signals completion (WRITE_WITH_IMM
+//    where both sides support it, else a small SEND). The receiver's rkey is
+//    valid only for that transfer. Messages above max_message_size (ours or
+//    the peer's) fail with InvalidArgument before anything is sent.
+//  - Send completes when the peer placed the message (the buffer is free).
+//  - When the connection goes down (Close, peer disconnect, peer death, QP
+//    error) every waiting Send/Recv/one-sided operation resumes with an
+//    error (Unavailable; the message says whether the peer closed or the
+//    connection was lost and why), and later calls fail at once.
+//  - iWARP (active side must send first) is handled inside: the passive
+//    side's first send waits for the active side's hello.
+//  - Single reactor: a Connection is used on its Context's reactor thread.
+#ifndef COVERBS_CM_CONNECTION_H_
+#define COVERBS_CM_CONNECTION_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cm/context.h"
+#include "cm/handshake.h"
+#include "cm/link.h"
+#include "core/task.h"
+#include "transport/device.h"
+#include "transport/queue_pair.h"
+
+namespace coverbs::cm {
+
+struct ConnectionOptions {
+  // Receives posted for this connection = credits the peer gets.
+  uint32_t recv_credits = 64;
+  // Payloads up to this size go eagerly (SEND/RECV); above, by rendezvous.
+  size_t rendezvous_threshold = 8 * 1024;
+  // Largest message accepted or sent (announced in the handshake).
+  uint64_t max_message_size = 64ull << 20;
+  // Send-queue depth (also bounds concurrent sends in flight).
+  uint32_t send_depth = 128;
+  // Receive through the Context's shared receive queue instead of a
+  // per-connection ring (servers with many mostly idle connections).
+  bool use_srq = false;
+  // Bound on Close()'s drain and disconnect.
+  absl::Duration close_timeout = absl::Seconds(5);
+  // QP tuning passed through (depths above are applied on top).
+  transport::QpOptions qp;
+};
+
+// What the peer announced, plus where it is.
+struct PeerInfo {
+  std::string address;  // numeric host
+  uint16_t port = 0;
+  Handshake handshake;
+};
+
+namespace internal {
+class ConnectionImpl;
+class MessageBuffer;  // owner of a received message's memory
+}  // namespace internal
+
+// A received message. Owns its registered receive buffer (or rendezvous
+// buffer) until destroyed; then the buffer goes back to be reposted. May
+// outlive its Connection. Move-only.
+class Message {
+ public:
+  Message() = default;
+  Message(Message&& o) noexcept;
+  Message& operator=(Message&& o) noexcept;
+  ~Message();
+
+  std::span<const std::byte> data() const { return {data_, size_}; }
+  std::span<std::byte> mutable_data() { return {data_, size_}; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  friend class internal::ConnectionImpl;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  internal::MessageBuffer* owner_ = nullptr;
+};
+
+// A memory region exposed to the peer, as a token that travels in a message.
+struct RegionToken {
+  static constexpr size_t kEncodedSize = 20;
+  transport::RemoteRegion region;
+  std::string Encode() const;
+  static absl::StatusOr<RegionToken> Decode(std::span<const std::byte> data);
+};
+
+class Connection {
+ public:
+  ~Connection();  // closes abruptly if Close() was not awaited (bounded)
+  Connection(const Connection&) = delete;
+
+  // --- Messaging.
+  // Copies into a pooled registered buffer (small) or sends from the
+  // caller's memory (large; registered through the Context's cache). The
+  // bytes must stay valid until the returned Task completes.
+  Task<absl::Status> Send(std::span<const std::byte> payload);
+  // Gather: the message is the concatenation of `parts`.
+  Task<absl::Status> SendV(std::span<const std::span<const std::byte>> parts);
+  // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).
+  Task<absl::Status> Send(transport::LocalBuffer registered);
+  Task<absl::StatusOr<Message>> Recv();
+
+  // --- One-sided.
+  // The token for `mr` (or a slice). Fails with InvalidArgument if `mr` is
+  // not registered in this connection's PD with the asked remote access
+  // (IBV_ACCESS_REMOTE_READ / _WRITE / _ATOMIC). Revocation: deregister the
+  // region; later peer accesses fail with a remote access error.
+  absl::StatusOr<RegionToken> Expose(const transport::MemoryRegion& mr,
+                                     int access, size_t offset = 0,
+                                     size_t length = transport::MemoryRegion::npos);
+  Task<absl::Status> Read(transport::LocalBuffer local,
+                          transport::RemoteRegion remote);
+  Task<absl::Status> Write(transport::LocalBuffer local,
+                           transport::RemoteRegion remote);
+  // 8-byte atomics (FailedPrecondition when the device has none); yield the
+  // remote value before the operation.
+  Task<absl::StatusOr<uint64_t>> FetchAdd(transport::RemoteRegion remote,
+                                          uint64_t add);
+  Task<absl::StatusOr<uint64_t>> CompareSwap(transport::RemoteRegion remote,
+                                             uint64_t compare, uint64_t swap);
+
+  // --- Teardown.
+  // Stops new sends, waits for in-flight operations (bounded by
+  // close_timeout), tells the peer, disconnects, waits for the link to go
+  // down, destroys the QP. Idempotent.
+  Task<absl::Status> Close();
+
+  // OK while usable; else why it went down.
+  absl::Status status() const;
+  const PeerInfo& peer() const;
+  Context& context() const;
+  transport::QueuePair& qp() const;
+  // "conn 7 (10.0.0.1:4791 -> 10.0.0.2:7471, qp 17)".
+  const std::string& name() const;
+
+  // Statistics.
+  struct Stats {
+    uint64_t messages_sent = 0, messages_received = 0;
+    uint64_t rendezvous_sent = 0, rendezvous_received = 0;
+    uint64_t credit_messages_sent = 0;
+    uint64_t credit_waits = 0;  // sends that waited for a credit
+  };
+  Stats stats() const;
+
+  // --- Internal: used by the connection-establishment code (cm/*.cc).
+  // QP options a connection with `o` needs (depths, SRQ).
+  static transport::QpOptions QpOptionsFor(Context& ctx,
+                                           const ConnectionOptions& o);
+  // Wraps a not yet connected QP (INIT; receives may be posted) and posts the
+  // receive ring so the credits in LocalHandshake() are real before the peer
+  // can send.
+  static absl::StatusOr<std::unique_ptr<Connection>> CreateUnstarted(
+      Context& ctx, std::unique_ptr<transport::QueuePair> qp,
+      const ConnectionOptions& o, bool active_side);
+  Handshake LocalHandshake() const;
+  // The QP is connected (RTS): validates the peer's handshake against ours
+  // and starts messaging.
+  absl::Status Start(PeerInfo peer, std::unique_ptr<internal::Link> link);
+
+ private:
+  explicit Connection(std::unique_ptr<internal::ConnectionImpl> impl);
+  std::unique_ptr<internal::ConnectionImpl> impl_;
+};
+
+}  // namespace coverbs::cm
+
+#endif  // COVERBS_CM_CONNECTION_H_

@@ -1,0 +1,79 @@
+// cm::Context: what one reactor needs to run connections.
+//
+// One Context per Reactor (thread). It owns the protection domain (unless
+// one is shared in), the completion queue every connection of the reactor
+// completes into, the registered buffer pools connections draw their
+// receive rings and send buffers from, the registration cache used for
+// zero-copy rendezvous, and -- verbs provider -- the rdma_cm event channel,
+// watched by the reactor, whose events are dispatched to the coroutine
+// waiting on the cm_id they belong to (and always acked).
+//
+// Lifetime: a Context outlives every Listener and Connection created on it.
+// Thread: used only from its reactor's thread.
+#ifndef COVERBS_CM_CONTEXT_H_
+#define COVERBS_CM_CONTEXT_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "core/reactor.h"
+#include "transport/completion_queue.h"
+#include "transport/device.h"
+#include "transport/memory.h"
+#include "transport/queue_pair.h"
+
+namespace coverbs::cm {
+
+namespace internal {
+class CmEventChannel;  // verbs: rdma_event_channel + dispatch (listener.cc)
+}
+
+struct ContextOptions {
+  int cq_entries = 0;  // 0: CompletionQueue's default
+  // Share a PD between contexts (e.g. one PD for every reactor of a
+  // ReactorPool so one MemoryRegion serves all connections). Not owned.
+  transport::ProtectionDomain* pd = nullptr;
+  // Shared receive queue for every connection of this context that asks
+  // for it (ConnectionOptions::use_srq). 0 = no SRQ.
+  uint32_t srq_depth = 0;
+  uint32_t srq_buffer_size = 8192 + 64;
+};
+
+class Context {
+ public:
+  static absl::StatusOr<std::unique_ptr<Context>> Create(
+      Reactor& reactor, transport::Device& device, ContextOptions options = {});
+  ~Context();
+  Context(const Context&) = delete;
+
+  Reactor& reactor() const { return *reactor_; }
+  transport::Device& device() const { return *device_; }
+  transport::ProtectionDomain& pd() const { return *pd_; }
+  transport::CompletionQueue& cq() const { return *cq_; }
+  transport::RegistrationCache& registrations() { return *reg_cache_; }
+  const ContextOptions& options() const { return options_; }
+
+  // verbs only (nullptr on soft); created on first use.
+  absl::StatusOr<internal::CmEventChannel*> cm_events();
+
+  // Internal state shared by the connection layer's parts. Opaque to users.
+  struct Shared;
+  Shared& shared() { return *shared_; }
+
+ private:
+  Context() = default;
+  Reactor* reactor_ = nullptr;
+  transport::Device* device_ = nullptr;
+  ContextOptions options_;
+  std::unique_ptr<transport::ProtectionDomain> owned_pd_;
+  transport::ProtectionDomain* pd_ = nullptr;
+  std::unique_ptr<transport::CompletionQueue> cq_;
+  std::unique_ptr<transport::RegistrationCache> reg_cache_;
+  std::unique_ptr<internal::CmEventChannel> cm_events_;
+  std::unique_ptr<Shared> shared_;
+};
+
+}  // namespace coverbs::cm
+
+#endif  // COVERBS_CM_CONTEXT_H_

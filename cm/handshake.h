@@ -1,0 +1,67 @@
+// The connection handshake carried in rdma_cm private data (verbs) or in the
+// soft provider's TCP connection setup (soft): both sides announce what they
+// can receive before the first message flows.
+//
+// Wire layout (little endian), kHandshakeSize bytes, then up to
+// kMaxAppData bytes of application data:
+//   0  u32 magic            kHandshakeMagic ("CVB1")
+//   4  u16 version          kProtocolVersion
+//   6  u16 app_data_len
+//   8  u32 caps             Capability bits
+//  12  u32 credits          receives the sender has posted for this connection
+//  16  u32 recv_buffer_size bytes per posted receive (header included)
+//  20  u32 reserved (0)
+//  24  u64 max_message_size largest message the sender accepts
+//  32  app data
+// IB limits connect private data to 56 bytes, hence kMaxAppData = 24.
+//
+// A reject carries a reason: u32 kRejectMagic, u16 length, then UTF-8 text
+// (truncated to what the transport allows: 148 bytes on IB).
+#ifndef COVERBS_CM_HANDSHAKE_H_
+#define COVERBS_CM_HANDSHAKE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace coverbs::cm {
+
+inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
+inline constexpr uint32_t kRejectMagic = 0x52425643;     // "CVBR"
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kHandshakeSize = 32;
+inline constexpr size_t kMaxAppData = 24;
+inline constexpr size_t kMaxRejectReason = 140;
+
+enum Capability : uint32_t {
+  kCapWriteWithImm = 1u << 0,  // the sender may complete rendezvous by imm
+  kCapAtomics = 1u << 1,
+};
+
+struct Handshake {
+  uint16_t version = kProtocolVersion;
+  uint32_t caps = 0;
+  uint32_t credits = 0;
+  uint32_t recv_buffer_size = 0;
+  uint64_t max_message_size = 0;
+  std::string app_data;  // <= kMaxAppData bytes
+};
+
+// Fails with InvalidArgument if app_data is too long.
+absl::StatusOr<std::string> EncodeHandshake(const Handshake& h);
+// Validates every field: short/garbage data and a bad magic give
+// InvalidArgument; another protocol version gives FailedPrecondition naming
+// both versions; zero credits or a receive buffer smaller than a message
+// header give InvalidArgument.
+absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> data);
+
+std::string EncodeReject(std::string_view reason);
+// The reason inside a reject's private data, or "" if it is not ours.
+std::string DecodeReject(std::span<const std::byte> data);
+
+}  // namespace coverbs::cm
+
+#endif  // COVERBS_CM_HANDSHAKE_H_
