@@ -1,0 +1,19 @@
+// Internal: per-Context state owned by the messaging half of the cm layer
+// (buffer pools, the shared receive queue, connection ids). Created empty by
+// Context::Create; connection.cc fills it lazily.
+#ifndef COVERBS_CM_CONTEXT_SHARED_H_
+#define COVERBS_CM_CONTEXT_SHARED_H_
+
+#include <cstdint>
+
+#include "cm/context.h"
+
+namespace coverbs::cm {
+
+struct Context::Shared {
+  uint64_t next_connection_id = 1;
+};
+
+}  // namespace coverbs::cm
+
+#endif  // COVERBS_CM_CONTEXT_SHARED_H_
