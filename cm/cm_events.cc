@@ -220,12 +220,13 @@ void CmId::SetEstablished(std::string describe) {
 }
 
 void CmId::Disconnect() {
-  if (local_disconnect_ || down_) {
-    local_disconnect_ = true;
-    return;
-  }
-  local_disconnect_ = true;
-  rdma_disconnect(id_);  // moves the QP to error; DISCONNECTED follows
+  if (disconnect_called_) return;
+  disconnect_called_ = true;
+  if (!down_) local_disconnect_ = true;
+  // Also after the peer's DISCONNECTED: on IB/RoCE this sends the DREP the
+  // peer waits for (it would otherwise time out in DREQ_SENT). Moves the
+  // QP to error.
+  rdma_disconnect(id_);
 }
 
 Task<absl::Status> CmId::WaitDown(absl::Duration timeout) {

@@ -99,6 +99,7 @@ class CmId : public std::enable_shared_from_this<CmId> {
   Event signal_;
   bool established_ = false;
   bool local_disconnect_ = false;
+  bool disconnect_called_ = false;
   bool down_ = false;
   Event down_event_;
   std::function<void(absl::Status)> on_down_;

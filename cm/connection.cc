@@ -1032,7 +1032,7 @@ Task<absl::Status> ConnectionImpl::Close() {
     co_return absl::OkStatus();
   }
   absl::Duration t = options_.close_timeout;
-  if (status_.ok() && started_) {
+  if (status_.ok() && started_ && !peer_closed_) {
     // Goodbye first, so the peer reports "closed by the peer", not a loss.
     auto bye = [](ConnectionImpl* self) -> Task<absl::Status> {
       co_await self->SendControl(kGoodbye, 0, 0, {});
