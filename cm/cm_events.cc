@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -146,6 +147,10 @@ CmId::~CmId() {
   }
   // Keep the channel alive until the id is gone.
   std::shared_ptr<CmEventChannel::Shared> keep = channel_->shared_;
+  if (destroy_in_background_) {
+    std::thread([id = id_, keep] { rdma_destroy_id(id); }).detach();
+    return;
+  }
   rdma_destroy_id(id_);
 }
 

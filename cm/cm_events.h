@@ -75,6 +75,9 @@ class CmId : public std::enable_shared_from_this<CmId> {
   Task<absl::StatusOr<CmEvent>> Next(absl::Duration timeout);
   // Moves the id to another channel (rdma_migrate_id); events go there.
   absl::Status Migrate(CmEventChannel* to);
+  // rdma_destroy_id may block while an address resolution is under way
+  // (seen for minutes on siw): such ids are destroyed off the reactor.
+  void set_destroy_in_background(bool on) { destroy_in_background_ = on; }
   // After ESTABLISHED: events drive the link instead of the queue.
   void SetEstablished(std::string describe);
 
@@ -100,6 +103,7 @@ class CmId : public std::enable_shared_from_this<CmId> {
   bool established_ = false;
   bool local_disconnect_ = false;
   bool disconnect_called_ = false;
+  bool destroy_in_background_ = false;
   bool down_ = false;
   Event down_event_;
   std::function<void(absl::Status)> on_down_;

@@ -447,6 +447,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   if (!ch.ok()) co_return Annotate(ch.status(), where);
   auto id = CmId::Create(*ch);
   if (!id.ok()) co_return Annotate(id.status(), where);
+  (*id)->set_destroy_in_background(true);
   int ms = static_cast<int>(absl::ToInt64Milliseconds(o.resolve_timeout));
   if (rdma_resolve_addr((*id)->id(), nullptr,
                         reinterpret_cast<sockaddr*>(&*sa), std::max(ms, 1)) !=
@@ -464,6 +465,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   ev = co_await Expect(**id, RDMA_CM_EVENT_ROUTE_RESOLVED, o.resolve_timeout,
                        where, "route resolution");
   if (!ev.ok()) co_return ev.status();
+  (*id)->set_destroy_in_background(false);
   transport::QpInit init;
   auto conn = NewVerbsConnection(ctx, *id, o.connection, true, &init);
   if (!conn.ok()) co_return Annotate(conn.status(), where);

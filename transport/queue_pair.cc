@@ -94,11 +94,16 @@ OpBase::~OpBase() {
   // shutdown). Never let the NIC complete into freed memory: withdraw it if
   // it was not posted, else flush the QP and wait for this completion.
   destroying_ = true;
-  if (linked()) {
-    (is_recv_ ? qp_->recv_waiters_ : qp_->send_waiters_).erase(this);
+  if (!posted_) {
+    if (linked()) {
+      (is_recv_ ? qp_->recv_waiters_ : qp_->send_waiters_).erase(this);
+    }
     return;
   }
-  if (posted_) qp_->DrainSync([this] { return completed_; });
+  qp_->DrainSync([this] { return completed_; });
+  // Still no completion (a device that lost the WR): destroying the QP is
+  // the only way to be sure the NIC no longer touches this frame's buffers.
+  if (!completed_) qp_->Abandon("an operation's frame was destroyed");
 }
 
 bool OpBase::Suspend(std::coroutine_handle<> h, std::stop_token token) {
@@ -195,6 +200,7 @@ void RecvHandler::OnCompletion(const ibv_wc& wc) {
   }
   QueuePair* qp = qp_;
   if (qp != nullptr) {
+    if (linked()) qp->posted_handlers_.erase(this);
     ++qp->rq_free_;
     --qp->handler_recvs_;
     if (wc.status != IBV_WC_SUCCESS && !qp->in_error_) {
@@ -329,12 +335,11 @@ QueuePair::~QueuePair() {
     DrainSync([this] { return outstanding_ == 0; });
   }
   if (outstanding_ > 0) {
-    // The NIC may still own buffers: never free what it could write to.
     std::fprintf(stderr,
                  "coverbs: QP 0x%x destroyed with %llu operations whose flush "
-                 "never arrived; leaking the QP instead of freeing it\n",
+                 "never arrived; destroying the QP and completing them\n",
                  qp_num_, static_cast<unsigned long long>(outstanding_));
-    (void)qp_.release();
+    Abandon("destroyed; the device never flushed");
   }
   cq_->Unreserve(cq_reserved_);
   *alive_ = nullptr;
@@ -358,10 +363,34 @@ void QueuePair::DrainSync(const std::function<bool()>& done) {
 absl::Status QueuePair::SetError(std::string_view reason) {
   if (in_error_) return absl::OkStatus();
   in_error_ = true;
-  absl::Status s = qp_->SetError();
+  absl::Status s = qp_ != nullptr ? qp_->SetError() : absl::OkStatus();
   FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
       "QP 0x%x was moved to the error state (%s)", qp_num_, reason)));
   return s;
+}
+
+void QueuePair::Abandon(std::string_view reason) {
+  if (qp_ == nullptr) return;
+  SetError(reason).IgnoreError();
+  // Destroying the QP is what guarantees the NIC no longer accesses any
+  // buffer of its work requests; completions it already produced are
+  // still in the CQ and are taken first, so none arrives after ours.
+  qp_.reset();
+  while (cq_->Poll() > 0) {
+  }
+  ibv_wc wc{};
+  wc.status = IBV_WC_WR_FLUSH_ERR;
+  wc.qp_num = qp_num_;
+  while (Op* op = posted_ops_.pop_front()) {
+    wc.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(op)) | 1;
+    wc.opcode = op->is_recv_ ? IBV_WC_RECV : IBV_WC_SEND;
+    op->OnCompletion(wc);
+  }
+  while (RecvHandler* h = posted_handlers_.pop_front()) {
+    wc.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
+    wc.opcode = IBV_WC_RECV;
+    static_cast<WorkRequest*>(h)->OnCompletion(wc);
+  }
 }
 
 Task<absl::Status> QueuePair::Close() {
@@ -380,7 +409,7 @@ Task<absl::Status> QueuePair::Close() {
 }
 
 void QueuePair::CancelOp(Op* op) {
-  if (op->linked()) {
+  if (op->linked() && !op->posted_) {  // still waiting for a slot
     (op->is_recv_ ? recv_waiters_ : send_waiters_).erase(op);
     op->Fail(absl::CancelledError(absl::StrFormat(
         "%s on QP 0x%x cancelled while waiting for a queue slot", op->name_,
@@ -430,6 +459,10 @@ bool QueuePair::Start(Op* op) {
 }
 
 absl::Status QueuePair::PostNow(Op* op) {
+  if (qp_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s on QP 0x%x: the QP was destroyed", op->name_, qp_num_));
+  }
   uint32_t& free = op->is_recv_ ? rq_free_ : sq_free_;
   free -= op->slots_;
   absl::Status s;
@@ -477,12 +510,14 @@ absl::Status QueuePair::PostNow(Op* op) {
     return s;
   }
   op->posted_ = true;
+  posted_ops_.push_back(op);
   ++outstanding_;
   cq_->AddInFlight(1);
   return absl::OkStatus();
 }
 
 void QueuePair::Release(Op* op) {
+  if (op->linked()) posted_ops_.erase(op);
   (op->is_recv_ ? rq_free_ : sq_free_) += op->slots_;
   const ibv_wc& w = op->first_error_ ? *op->first_error_ : op->wc_;
   if (w.status != IBV_WC_SUCCESS && !in_error_) {
@@ -535,6 +570,7 @@ absl::Status QueuePair::PostRecv(RecvHandler* h,
   absl::Status s = qp_->PostRecv(&wr, &bad);
   if (!s.ok()) return s;
   h->qp_ = this;
+  posted_handlers_.push_back(h);
   --rq_free_;
   ++handler_recvs_;
   ++outstanding_;

@@ -172,7 +172,8 @@ class OpBase : public WorkRequest,
 // messaging layer keeps a ring of these posted). Must stay alive until its
 // completion was delivered (or the QP was closed).
 class SharedReceiveQueue;
-class RecvHandler : public WorkRequest {
+class RecvHandler : public WorkRequest,
+                    public coverbs::internal::ListNode<RecvHandler> {
  public:
   virtual void OnRecv(const ibv_wc& wc) = 0;
 
@@ -298,6 +299,14 @@ class QueuePair {
   absl::Status SetError(std::string_view reason = "requested");
   // SetError, then wait until every outstanding operation completed.
   Task<absl::Status> Close();
+  // For devices that lose work requests once the connection died (siw
+  // after a peer TERMINATE completes nothing posted afterwards, not even
+  // with a flush): destroys the QP in the provider -- after which the NIC
+  // touches none of its buffers -- then completes every operation and
+  // handler receive still outstanding with IBV_WC_WR_FLUSH_ERR, so no
+  // coroutine waits forever. Later operations fail at once. The destructor
+  // does this itself when the flush does not come.
+  void Abandon(std::string_view reason);
 
   uint32_t qp_num() const { return qp_num_; }
   const DeviceCaps& caps() const { return cq_->device()->caps(); }
@@ -347,6 +356,9 @@ class QueuePair {
   uint64_t outstanding_ = 0;
   coverbs::internal::IntrusiveList<Op> send_waiters_;
   coverbs::internal::IntrusiveList<Op> recv_waiters_;
+  // Posted and not completed (for Abandon).
+  coverbs::internal::IntrusiveList<Op> posted_ops_;
+  coverbs::internal::IntrusiveList<RecvHandler> posted_handlers_;
   uint32_t handler_recvs_ = 0;
   bool closing_ = false;
   std::unique_ptr<Event> drained_;

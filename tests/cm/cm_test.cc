@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -822,12 +823,16 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
   Run([](CmTest* t, std::string path) -> Task<void> {
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
     CO_ASSERT_OK(ln);
-    pid_t pid = fork();
-    if (pid == 0) {
-      std::string port = std::to_string((*ln)->port());
-      execl(path.c_str(), path.c_str(), t->GetParam().c_str(),
-            t->addr_.c_str(), port.c_str(), nullptr);
-      _exit(127);
+    // posix_spawn, not fork: this process has threads (the soft provider's
+    // progress thread), and a forked child may only call exec.
+    std::string port = std::to_string((*ln)->port());
+    std::string provider = t->GetParam();
+    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
+                    nullptr};
+    pid_t pid = -1;
+    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
+      ADD_FAILURE() << "posix_spawn " << path;
+      co_return;
     }
     auto c = co_await (*ln)->Accept();
     CO_ASSERT_OK(c);
