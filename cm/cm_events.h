@@ -1,20 +1,43 @@
-// Internal (verbs provider): the rdma_cm event channel of one Context.
+// Internal (verbs provider): the rdma_cm event channel of one Context and
+// the rdma_cm ids whose events it dispatches.
 //
-// Its fd is watched by the Context's reactor; each event is handed to the
-// waiter registered for the event's cm_id (listen ids receive CONNECT_REQUEST
-// for new ids) and is always acked -- after the waiter copied what it needs,
-// since private data lives in the event.
+// The channel fd is watched by the Context's reactor. Each event is copied
+// (type, status, private data) into the queue of the CmId it belongs to --
+// CONNECT_REQUESTs go to the listening id, carrying a new CmId -- and acked at
+// once, so no id is ever destroyed with unacked events.
 #ifndef COVERBS_CM_CM_EVENTS_H_
 #define COVERBS_CM_CM_EVENTS_H_
 
 #include <rdma/rdma_cma.h>
 
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <stop_token>
+#include <string>
+#include <unordered_map>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cm/link.h"
 #include "core/reactor.h"
+#include "core/sync.h"
+#include "core/task.h"
 
 namespace coverbs::cm::internal {
+
+class CmId;
+
+struct CmEvent {
+  rdma_cm_event_type type = RDMA_CM_EVENT_ADDR_ERROR;
+  int status = 0;
+  std::string private_data;
+  std::shared_ptr<CmId> request;  // CONNECT_REQUEST: the new id
+  std::string peer;               // CONNECT_REQUEST: "addr:port"
+  uint16_t peer_port = 0;
+  std::string peer_addr;
+};
 
 class CmEventChannel {
  public:
@@ -23,15 +46,66 @@ class CmEventChannel {
   ~CmEventChannel();
   CmEventChannel(const CmEventChannel&) = delete;
 
-  rdma_event_channel* channel() const { return channel_; }
+  rdma_event_channel* channel() const;
   Reactor& reactor() const { return *reactor_; }
 
+  struct Shared;  // what the watch loop and the ids share
+
  private:
-  CmEventChannel(Reactor* r, rdma_event_channel* ch)
-      : reactor_(r), channel_(ch) {}
+  friend class CmId;
+  CmEventChannel(Reactor* r, std::shared_ptr<Shared> s)
+      : reactor_(r), shared_(std::move(s)) {}
   Reactor* reactor_;
-  rdma_event_channel* channel_;
+  std::shared_ptr<Shared> shared_;
+  std::stop_source stop_;
 };
+
+// One rdma_cm id and its event queue; the Link of an established verbs
+// connection. Destroying it unregisters and destroys the id.
+class CmId : public std::enable_shared_from_this<CmId> {
+ public:
+  static absl::StatusOr<std::shared_ptr<CmId>> Create(CmEventChannel* ch);
+  ~CmId();
+
+  rdma_cm_id* id() const { return id_; }
+  CmEventChannel* channel() const { return channel_; }
+
+  // The next event for this id (FIFO); DeadlineExceeded after `timeout`;
+  // Cancelled with the caller's stop token.
+  Task<absl::StatusOr<CmEvent>> Next(absl::Duration timeout);
+  // Moves the id to another channel (rdma_migrate_id); events go there.
+  absl::Status Migrate(CmEventChannel* to);
+  // After ESTABLISHED: events drive the link instead of the queue.
+  void SetEstablished(std::string describe);
+
+  // Link behaviour.
+  void Disconnect();
+  Task<absl::Status> WaitDown(absl::Duration timeout);
+  void OnDown(std::function<void(absl::Status)> fn);
+  std::string Describe() const { return describe_; }
+
+  // For the channel's watch loop only.
+  static std::shared_ptr<CmId> AdoptRequest(CmEventChannel* ch,
+                                            rdma_cm_id* id);
+  void Deliver(CmEvent ev);  // on the channel's reactor thread
+
+ private:
+  CmId(CmEventChannel* ch, rdma_cm_id* id) : channel_(ch), id_(id) {}
+  void Register();
+
+  CmEventChannel* channel_;
+  rdma_cm_id* id_;
+  std::deque<CmEvent> events_;
+  Event signal_;
+  bool established_ = false;
+  bool local_disconnect_ = false;
+  bool down_ = false;
+  Event down_event_;
+  std::function<void(absl::Status)> on_down_;
+  std::string describe_;
+};
+
+std::unique_ptr<Link> MakeVerbsLink(std::shared_ptr<CmId> id);
 
 }  // namespace coverbs::cm::internal
 

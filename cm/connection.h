@@ -56,8 +56,10 @@ struct ConnectionOptions {
   size_t rendezvous_threshold = 8 * 1024;
   // Largest message accepted or sent (announced in the handshake).
   uint64_t max_message_size = 64ull << 20;
-  // Send-queue depth (also bounds concurrent sends in flight).
-  uint32_t send_depth = 128;
+  // Send-queue depth: work requests posted at once (more wait, FIFO).
+  // Each connection reserves send_depth + 6 + recv_credits + 2 entries of
+  // its Context's CQ (ContextOptions::cq_entries).
+  uint32_t send_depth = 64;
   // Receive through the Context's shared receive queue instead of a
   // per-connection ring (servers with many mostly idle connections).
   bool use_srq = false;
@@ -183,8 +185,8 @@ class Connection {
   absl::Status Start(PeerInfo peer, std::unique_ptr<internal::Link> link);
 
  private:
-  explicit Connection(std::unique_ptr<internal::ConnectionImpl> impl);
-  std::unique_ptr<internal::ConnectionImpl> impl_;
+  explicit Connection(std::shared_ptr<internal::ConnectionImpl> impl);
+  std::shared_ptr<internal::ConnectionImpl> impl_;
 };
 
 }  // namespace coverbs::cm

@@ -4,14 +4,20 @@
 #ifndef COVERBS_CM_CONTEXT_SHARED_H_
 #define COVERBS_CM_CONTEXT_SHARED_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 
 #include "cm/context.h"
+#include "transport/memory.h"
 
 namespace coverbs::cm {
 
 struct Context::Shared {
   uint64_t next_connection_id = 1;
+  // Registered send buffers, by buffer size, shared by the connections.
+  std::map<size_t, std::unique_ptr<transport::BufferPool>> send_pools;
 };
 
 }  // namespace coverbs::cm

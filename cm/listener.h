@@ -35,13 +35,20 @@ struct ConnectOptions {
   absl::Duration resolve_timeout = absl::Seconds(2);  // address, then route
   absl::Duration connect_timeout = absl::Seconds(5);  // until ESTABLISHED
   std::string app_data;  // <= kMaxAppData bytes, shown to the listener
+  // Tests only: sent instead of the encoded handshake (garbage, other
+  // protocol versions).
+  std::string raw_private_data_for_test;
 };
 
 // Resolves, creates the QP on ctx's CQ, connects with the handshake in the
 // private data, waits for ESTABLISHED. Cancellable (stop token).
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, std::string address, uint16_t port,
-    ConnectOptions options = {});
+    Context& ctx, const std::string& address, uint16_t port,
+    const ConnectOptions& options);
+// With default options. (An overload, not a default argument: gcc 12
+// mis-copies default-argument temporaries inside co_await expressions.)
+Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
+    Context& ctx, const std::string& address, uint16_t port);
 
 class Listener;
 
@@ -96,6 +103,15 @@ class Listener {
 
   // Stops listening; pending Next()/Accept() resume with Cancelled.
   void Close();
+
+  // Requests refused (bad handshake, version mismatch, admit, Reject).
+  struct Stats {
+    uint64_t requests = 0;
+    uint64_t accepted = 0;
+    uint64_t rejected = 0;
+    std::string last_reject_reason;
+  };
+  const Stats& stats() const;
 
   struct State;  // internal
 

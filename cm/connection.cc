@@ -1,0 +1,1258 @@
+#include "cm/connection.h"
+
+#include <arpa/inet.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cm/context_shared.h"
+#include "cm/wire.h"
+#include "core/sync.h"
+#include "core/timeout.h"
+#include "transport/errors.h"
+
+namespace coverbs::cm {
+namespace internal {
+
+static_assert(std::endian::native == std::endian::little,
+              "the cm wire format is little endian; add byte swaps");
+
+using transport::LocalBuffer;
+using transport::MemoryRegion;
+using transport::RemoteRegion;
+
+// Memory behind a Message.
+class MessageBuffer {
+ public:
+  virtual void Release() = 0;
+
+ protected:
+  ~MessageBuffer() = default;
+};
+
+class ConnectionImpl;
+struct RecvRing;
+
+// One posted receive of the per-connection ring.
+struct RecvSlot final : transport::RecvHandler, MessageBuffer {
+  RecvRing* ring = nullptr;
+  std::byte* data = nullptr;
+  void OnRecv(const ibv_wc& wc) override;
+  void Release() override;
+};
+
+// The receive ring: one registration carved into equal slots. Shared by the
+// connection and the Messages that still hold slots, so a Message may
+// outlive its Connection: the ring goes away with the last of them (the QP
+// is closed by then, so the NIC no longer writes into it).
+struct RecvRing {
+  ConnectionImpl* conn = nullptr;  // null once the connection is gone
+  std::byte* mem = nullptr;
+  size_t mem_size = 0;
+  size_t slot_size = 0;
+  MemoryRegion mr;
+  std::vector<RecvSlot> slots;
+  uint32_t held = 0;  // slots owned by Messages
+
+  ~RecvRing() {
+    mr.Deregister();
+    std::free(mem);
+  }
+  void MaybeDelete() {
+    if (conn == nullptr && held == 0) delete this;
+  }
+};
+
+// A rendezvous receive buffer. Registered for REMOTE_WRITE only while its
+// transfer runs; the Message then owns plain memory.
+struct LargeBuffer final : MessageBuffer {
+  std::byte* mem = nullptr;
+  size_t size = 0;
+  MemoryRegion mr;
+  ~LargeBuffer() {
+    mr.Deregister();
+    std::free(mem);
+  }
+  void Release() override { delete this; }
+};
+
+// A received message waiting to be handed out in arrival order; a
+// rendezvous entry is not ready until its DONE arrived.
+struct Incoming {
+  Message msg;
+  bool ready = false;
+  uint32_t cookie = 0;
+  LargeBuffer* large = nullptr;
+  bool dropped = false;  // aborted by the sender
+};
+
+// A large Send waiting for the receiver's CTS.
+struct PendingRts {
+  uint32_t cookie = 0;
+  Event cts;
+  bool granted = false;
+  bool refused = false;
+  uint64_t addr = 0;
+  uint32_t rkey = 0;
+};
+
+class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
+ public:
+  ConnectionImpl(Context& ctx, std::unique_ptr<transport::QueuePair> qp,
+                 const ConnectionOptions& o, bool active)
+      : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
+    id_ = ctx.shared().next_connection_id++;
+    name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
+  }
+  ~ConnectionImpl();
+
+  absl::Status Init();
+  absl::Status Start(PeerInfo peer, std::unique_ptr<Link> link);
+  Handshake LocalHandshake() const;
+
+  Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
+  Task<absl::Status> SendRegistered(LocalBuffer b);
+  Task<absl::StatusOr<Message>> Recv();
+  Task<absl::Status> OneSided(bool read, LocalBuffer local, RemoteRegion r);
+  Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
+                                        uint64_t b);
+  Task<absl::Status> Close();
+  void Abort(absl::Status why);
+
+  absl::Status status() const { return status_; }
+  const PeerInfo& peer() const { return peer_; }
+  Context& context() const { return ctx_; }
+  transport::QueuePair& qp() const { return *qp_; }
+  const std::string& name() const { return name_; }
+  Connection::Stats stats() const { return stats_; }
+  const ConnectionOptions& options() const { return options_; }
+
+  void OnRecv(RecvSlot* slot, const ibv_wc& wc);
+  void ReturnSlot(RecvSlot* slot);
+
+ private:
+  // Sends one small message (header + parts copied into a pooled buffer).
+  Task<absl::Status> SendSmall(MsgType type, uint32_t cookie,
+                               std::span<const std::span<const std::byte>> p,
+                               const LocalBuffer* zero_copy = nullptr);
+  Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
+                               const LocalBuffer* registered);
+  Task<void> SendControl(MsgType type, uint32_t cookie, uint16_t flags,
+                         std::vector<std::byte> payload);
+  Task<void> SendCreditMessage();
+  // Takes, in FIFO order, the right to post the next message: the send
+  // turn, one credit and a send buffer. On success the caller holds the
+  // turn and calls send_turn_.Release() right before it posts (nothing
+  // suspends in between), which keeps messages in the order Sends began.
+  Task<absl::StatusOr<transport::BufferPool::Buffer>> AcquireSend();
+  Task<absl::Status> TakeCredit();
+  // Runs an internal task that keeps the connection alive until it ends.
+  void SpawnInternal(Task<void> t);
+  absl::Status CheckUp(const char* what) const;
+  void FillHeader(WireHeader& h, MsgType type, uint32_t length,
+                  uint32_t cookie, uint16_t flags);
+  void Fail(absl::Status why);
+  void Pump();
+  void MaybeSendCredits();
+  void Protocol(absl::string_view what);
+  absl::Status OpError(const char* op, const absl::Status& s) const;
+  Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
+  absl::StatusOr<transport::BufferPool*> SendPool();
+
+  Context& ctx_;
+  std::unique_ptr<transport::QueuePair> qp_;
+  std::unique_ptr<Link> link_;
+  ConnectionOptions options_;
+  bool active_;
+  uint64_t id_ = 0;
+  std::string name_;
+  PeerInfo peer_;
+  bool started_ = false;
+
+  // Receive side.
+  RecvRing* ring_ = nullptr;
+  uint32_t ring_slots_ = 0;
+  uint32_t to_return_ = 0;           // reposted, not yet announced
+  uint32_t credit_msgs_seen_ = 0;    // kCredit messages received (acked)
+  std::deque<Incoming> incoming_;    // in arrival order
+  std::deque<Message> ready_;        // deliverable, in order
+  Semaphore ready_count_{0};
+  bool peer_closed_ = false;
+
+  // Send side.
+  Semaphore credits_{0};
+  Semaphore send_turn_{1};
+  uint32_t credit_msgs_sent_ = 0;
+  uint32_t credit_msgs_acked_ = 0;
+  bool credit_msg_running_ = false;
+  Event may_send_{false};  // iWARP passive side: set once the peer spoke
+  std::deque<PendingRts*> pending_rts_;
+  uint32_t next_cookie_ = 1;
+  std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up
+  uint64_t peer_max_ = 0;
+  bool use_imm_ = false;
+
+  // Teardown.
+  absl::Status status_;  // non-OK once down
+  bool closing_ = false;
+  WaitGroup tasks_;  // internal control sends in flight
+
+  // 8-byte result buffers for atomics.
+  std::unique_ptr<uint64_t[]> atomic_mem_;
+  MemoryRegion atomic_mr_;
+  Semaphore atomic_slots_{0};
+  std::vector<uint32_t> atomic_free_;
+
+  Connection::Stats stats_;
+};
+
+// ---------------------------------------------------------------------------
+
+void RecvSlot::OnRecv(const ibv_wc& wc) {
+  if (ring->conn != nullptr) {
+    ring->conn->OnRecv(this, wc);
+  }
+}
+
+void RecvSlot::Release() {
+  RecvRing* r = ring;
+  --r->held;
+  if (r->conn != nullptr) {
+    r->conn->ReturnSlot(this);
+  } else {
+    r->MaybeDelete();
+  }
+}
+
+absl::Status ConnectionImpl::Init() {
+  if (options_.rendezvous_threshold == 0 ||
+      options_.rendezvous_threshold > (1u << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": rendezvous_threshold must be in [1, 1 MiB], got ",
+        options_.rendezvous_threshold));
+  }
+  if (options_.recv_credits < 2 || options_.recv_credits > 16384) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": recv_credits must be in [2, 16384], got ",
+        options_.recv_credits));
+  }
+  if (options_.max_message_size == 0 ||
+      options_.max_message_size > kMaxWireLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": max_message_size must be in [1, ",
+                     kMaxWireLength, "], got ", options_.max_message_size));
+  }
+  // The ring: recv_credits for messages plus kCreditReserve for credit
+  // messages, which are consumed at once and never count as credits.
+  ring_slots_ = options_.recv_credits + kCreditReserve;
+  auto* ring = new RecvRing();
+  ring->conn = this;
+  ring->slot_size =
+      (kHeaderSize + options_.rendezvous_threshold + 63) & ~size_t{63};
+  ring->mem_size = ring->slot_size * ring_slots_;
+  ring->mem = static_cast<std::byte*>(
+      std::aligned_alloc(4096, (ring->mem_size + 4095) & ~size_t{4095}));
+  if (ring->mem == nullptr) {
+    delete ring;
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name_, ": cannot allocate the receive ring"));
+  }
+  auto mr = ctx_.pd().Register(ring->mem, ring->mem_size,
+                               IBV_ACCESS_LOCAL_WRITE);
+  if (!mr.ok()) {
+    delete ring;
+    return absl::Status(mr.status().code(),
+                        absl::StrCat(name_, ": registering the receive ring: ",
+                                     mr.status().message()));
+  }
+  ring->mr = std::move(*mr);
+  ring->slots.resize(ring_slots_);
+  ring_ = ring;
+  for (uint32_t i = 0; i < ring_slots_; ++i) {
+    RecvSlot& s = ring->slots[i];
+    s.ring = ring;
+    s.data = ring->mem + i * ring->slot_size;
+    LocalBuffer b{s.data, static_cast<uint32_t>(ring->slot_size),
+                  ring->mr.lkey()};
+    absl::Status st = qp_->PostRecv(&s, std::span<const LocalBuffer>(&b, 1));
+    if (!st.ok()) {
+      return absl::Status(st.code(),
+                          absl::StrCat(name_, ": posting the receive ring: ",
+                                       st.message()));
+    }
+  }
+  // Atomics results.
+  constexpr uint32_t kAtomicSlots = 16;
+  atomic_mem_ = std::make_unique<uint64_t[]>(kAtomicSlots);
+  auto amr = ctx_.pd().Register(atomic_mem_.get(),
+                                kAtomicSlots * sizeof(uint64_t),
+                                IBV_ACCESS_LOCAL_WRITE);
+  if (!amr.ok()) return amr.status();
+  atomic_mr_ = std::move(*amr);
+  for (uint32_t i = 0; i < kAtomicSlots; ++i) atomic_free_.push_back(i);
+  atomic_slots_.Release(kAtomicSlots);
+  return absl::OkStatus();
+}
+
+Handshake ConnectionImpl::LocalHandshake() const {
+  Handshake h;
+  h.credits = options_.recv_credits;
+  h.recv_buffer_size = static_cast<uint32_t>(ring_ ? ring_->slot_size : 0);
+  h.max_message_size = options_.max_message_size;
+  const transport::DeviceCaps& caps = qp_->caps();
+  if (caps.write_with_imm) h.caps |= kCapWriteWithImm;
+  if (caps.atomics) h.caps |= kCapAtomics;
+  return h;
+}
+
+absl::Status ConnectionImpl::Start(PeerInfo peer, std::unique_ptr<Link> link) {
+  peer_ = std::move(peer);
+  link_ = std::move(link);
+  if (link_ != nullptr) {
+    name_ = absl::StrFormat("conn %d (%s, qp 0x%x)", id_, link_->Describe(),
+                            qp_->qp_num());
+  }
+  const Handshake& h = peer_.handshake;
+  if (h.credits == 0 || h.credits > 16384) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": peer announced ", h.credits, " credits"));
+  }
+  // The peer's receive buffers must hold our largest eager message.
+  if (h.recv_buffer_size < kHeaderSize + options_.rendezvous_threshold) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: peer receive buffers (%d bytes) are smaller than our eager "
+        "messages (%d bytes + %d header): configure the same "
+        "rendezvous_threshold on both sides",
+        name_, h.recv_buffer_size, options_.rendezvous_threshold, kHeaderSize));
+  }
+  peer_max_ = std::min<uint64_t>(h.max_message_size, options_.max_message_size);
+  use_imm_ = (h.caps & kCapWriteWithImm) && qp_->caps().write_with_imm;
+  credits_.Release(h.credits);
+  started_ = true;
+  if (link_ != nullptr) {
+    std::weak_ptr<ConnectionImpl> weak = weak_from_this();
+    link_->OnDown([weak](absl::Status why) {
+      std::shared_ptr<ConnectionImpl> self = weak.lock();
+      if (self == nullptr) return;
+      if (self->peer_closed_) why = absl::UnavailableError("closed by the peer");
+      self->Fail(std::move(why));
+    });
+  }
+  // iWARP: the active side must speak first, so it says hello at once and
+  // the passive side holds its sends until anything arrived.
+  if (!qp_->caps().active_side_sends_first || active_) {
+    may_send_.Set();
+  }
+  if (qp_->caps().active_side_sends_first && active_) {
+    SpawnInternal(SendControl(kHello, 0, 0, {}));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::CheckUp(const char* what) const {
+  if (!status_.ok()) {
+    return absl::Status(status_.code(),
+                        absl::StrCat(what, " on ", name_, ": ",
+                                     status_.message()));
+  }
+  if (closing_) {
+    return absl::UnavailableError(
+        absl::StrCat(what, " on ", name_, ": the connection is closing"));
+  }
+  if (!started_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " on ", name_, ": not connected yet"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::OpError(const char* op,
+                                     const absl::Status& s) const {
+  if (!status_.ok()) {
+    return absl::Status(status_.code(), absl::StrCat(op, " on ", name_, ": ",
+                                                     status_.message()));
+  }
+  return absl::Status(s.code(),
+                      absl::StrCat(op, " on ", name_, ": ", s.message()));
+}
+
+void ConnectionImpl::FillHeader(WireHeader& h, MsgType type, uint32_t length,
+                                uint32_t cookie, uint16_t flags) {
+  h.type = type;
+  h.flags = static_cast<uint8_t>(flags);
+  uint32_t give = std::min<uint32_t>(to_return_, 0xffff);
+  h.credits = static_cast<uint16_t>(give);
+  to_return_ -= give;
+  h.length = length;
+  h.credit_acks = credit_msgs_seen_;
+  h.cookie = cookie;
+}
+
+Task<absl::Status> ConnectionImpl::TakeCredit() {
+  if (!may_send_.is_set()) {
+    absl::Status s = co_await may_send_.Wait();
+    if (!s.ok()) co_return s;
+  }
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (!credits_.TryAcquire(1)) {
+    ++stats_.credit_waits;
+    s = co_await credits_.Acquire(1);
+    if (!s.ok()) co_return s;
+  }
+  // Fail() releases every waiter with permits that are not credits.
+  s = CheckUp("send");
+  co_return s;
+}
+
+Task<absl::StatusOr<transport::BufferPool::Buffer>>
+ConnectionImpl::AcquireSend() {
+  absl::Status s = co_await send_turn_.Acquire(1);
+  if (!s.ok()) co_return s;
+  s = co_await TakeCredit();
+  if (!s.ok()) {
+    send_turn_.Release(1);
+    co_return s;
+  }
+  // Buffers are only ever held by posted sends, which complete: waiting
+  // for one here cannot deadlock with credits.
+  auto buf = co_await GetSendBuffer();
+  if (!buf.ok()) {
+    if (status_.ok()) credits_.Release(1);
+    send_turn_.Release(1);
+    co_return OpError("send", buf.status());
+  }
+  co_return std::move(*buf);
+}
+
+void ConnectionImpl::SpawnInternal(Task<void> t) {
+  tasks_.Add();
+  auto keep = [](std::shared_ptr<ConnectionImpl> self,
+                 Task<void> t) -> Task<void> {
+    co_await std::move(t);
+    self->tasks_.Done();
+  };
+  ctx_.reactor().Spawn(keep(shared_from_this(), std::move(t)));
+}
+
+absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
+  Context::Shared& sh = ctx_.shared();
+  size_t size = kHeaderSize + options_.rendezvous_threshold;
+  auto it = sh.send_pools.find(size);
+  if (it != sh.send_pools.end()) return it->second.get();
+  transport::BufferPool::Options po;
+  po.buffer_size = (size + 63) & ~size_t{63};
+  po.count = 256;
+  po.access = IBV_ACCESS_LOCAL_WRITE;
+  auto pool = transport::BufferPool::Create(ctx_.pd(), po);
+  if (!pool.ok()) return pool.status();
+  transport::BufferPool* p = pool->get();
+  sh.send_pools.emplace(size, std::move(*pool));
+  return p;
+}
+
+Task<absl::StatusOr<transport::BufferPool::Buffer>>
+ConnectionImpl::GetSendBuffer() {
+  auto pool = SendPool();
+  if (!pool.ok()) co_return pool.status();
+  if (auto b = (*pool)->TryGet()) co_return std::move(*b);
+  co_return co_await (*pool)->Get();
+}
+
+Task<absl::Status> ConnectionImpl::SendSmall(
+    MsgType type, uint32_t cookie,
+    std::span<const std::span<const std::byte>> parts,
+    const LocalBuffer* zero_copy) {
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  if (zero_copy != nullptr) total += zero_copy->length;
+  auto buf = co_await AcquireSend();
+  if (!buf.ok()) co_return buf.status();
+  WireHeader h;
+  FillHeader(h, type, static_cast<uint32_t>(total), cookie, 0);
+  std::byte* d = buf->data();
+  std::memcpy(d, &h, kHeaderSize);
+  size_t off = kHeaderSize;
+  for (auto p : parts) {
+    if (!p.empty()) std::memcpy(d + off, p.data(), p.size());
+    off += p.size();
+  }
+  LocalBuffer sg[2] = {buf->Local(off), {}};
+  size_t n = 1;
+  if (zero_copy != nullptr) sg[n++] = *zero_copy;
+  transport::SendOptions so;
+  so.inline_data = zero_copy == nullptr && off <= qp_->max_inline_data();
+  send_turn_.Release(1);
+  auto wc = co_await qp_->Send(std::span<const LocalBuffer>(sg, n), so);
+  if (!wc.ok()) co_return OpError("send", wc.status());
+  if (type == kData) ++stats_.messages_sent;
+  co_return absl::OkStatus();
+}
+
+Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
+                                       uint16_t flags,
+                                       std::vector<std::byte> payload) {
+  // Control messages travel like data (a credit each) but are consumed by
+  // the peer's connection, never by its application, so they always return.
+  absl::Status s;
+  do {
+    auto buf = co_await AcquireSend();
+    if (!buf.ok()) {
+      s = buf.status();
+      break;
+    }
+    WireHeader h;
+    FillHeader(h, type, static_cast<uint32_t>(payload.size()), cookie, flags);
+    std::memcpy(buf->data(), &h, kHeaderSize);
+    if (!payload.empty()) {
+      std::memcpy(buf->data() + kHeaderSize, payload.data(), payload.size());
+    }
+    transport::SendOptions so;
+    so.inline_data = kHeaderSize + payload.size() <= qp_->max_inline_data();
+    send_turn_.Release(1);
+    auto wc = co_await qp_->Send(buf->Local(kHeaderSize + payload.size()), so);
+    if (!wc.ok()) s = wc.status();
+  } while (false);
+  if (!s.ok() && status_.ok() && !closing_) {
+    Fail(absl::UnavailableError(absl::StrCat(
+        "connection lost: sending a control message failed: ", s.message())));
+  }
+}
+
+Task<void> ConnectionImpl::SendCreditMessage() {
+  // Credit messages use the kCreditReserve receives the peer posted beyond
+  // its credits, so returning credits never waits for credits.
+  absl::Status s;
+  while (to_return_ > 0 && status_.ok() && !closing_ &&
+         credit_msgs_sent_ - credit_msgs_acked_ < kCreditReserve) {
+    if (!may_send_.is_set()) break;
+    auto buf = co_await GetSendBuffer();
+    if (!buf.ok()) {
+      s = buf.status();
+      break;
+    }
+    if (to_return_ == 0 || !status_.ok()) break;
+    WireHeader h;
+    FillHeader(h, kCredit, 0, 0, 0);
+    ++credit_msgs_sent_;
+    ++stats_.credit_messages_sent;
+    std::memcpy(buf->data(), &h, kHeaderSize);
+    transport::SendOptions so;
+    so.inline_data = kHeaderSize <= qp_->max_inline_data();
+    auto wc = co_await qp_->Send(buf->Local(kHeaderSize), so);
+    if (!wc.ok()) {
+      s = wc.status();
+      break;
+    }
+    // Keep going only if a lot accumulated meanwhile.
+    if (to_return_ < std::max<uint32_t>(1, options_.recv_credits / 4)) break;
+  }
+  credit_msg_running_ = false;
+  if (!s.ok() && status_.ok() && !closing_) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: a credit message failed: ",
+                     s.message())));
+  }
+}
+
+void ConnectionImpl::MaybeSendCredits() {
+  if (credit_msg_running_ || !status_.ok() || closing_ || !started_) return;
+  if (to_return_ < std::max<uint32_t>(1, options_.recv_credits / 4)) return;
+  if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
+  credit_msg_running_ = true;
+  SpawnInternal(SendCreditMessage());
+}
+
+void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
+  if (!status_.ok() || qp_->in_error()) return;  // the ring is finished
+  LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
+                ring_->mr.lkey()};
+  absl::Status s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+  if (!s.ok()) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: reposting a receive: ", s.message())));
+    return;
+  }
+  ++to_return_;
+  MaybeSendCredits();
+}
+
+void ConnectionImpl::Protocol(absl::string_view what) {
+  Fail(absl::DataLossError(
+      absl::StrCat("protocol violation by the peer: ", what)));
+}
+
+void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (status_.ok()) {
+      if (peer_closed_ || closing_) {
+        Fail(absl::UnavailableError(peer_closed_ ? "closed by the peer"
+                                                 : "closed locally"));
+      } else {
+        Fail(absl::UnavailableError(absl::StrCat(
+            "connection lost: receive completed with ",
+            transport::WcStatusName(wc.status))));
+      }
+    }
+    return;
+  }
+  if (!status_.ok()) return;
+  if (!may_send_.is_set()) may_send_.Set();
+  // WRITE_WITH_IMM: the end of a rendezvous; no header travelled.
+  if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+    uint32_t cookie = ntohl(wc.imm_data);
+    bool found = false;
+    for (Incoming& in : incoming_) {
+      if (!in.ready && in.large != nullptr && in.cookie == cookie) {
+        if (wc.byte_len != in.large->size) {
+          Protocol(absl::StrFormat("rendezvous %d wrote %d bytes, announced %d",
+                                   cookie, wc.byte_len, in.large->size));
+          return;
+        }
+        in.ready = true;
+        found = true;
+        break;
+      }
+    }
+    if (!found) {
+      Protocol(absl::StrFormat("WRITE_WITH_IMM for unknown rendezvous %d",
+                               cookie));
+      return;
+    }
+    ReturnSlot(slot);  // nothing to keep: repost now
+    Pump();
+    MaybeSendCredits();
+    return;
+  }
+  if (wc.byte_len < kHeaderSize) {
+    Protocol(absl::StrFormat("%d-byte message is shorter than the header",
+                             wc.byte_len));
+    return;
+  }
+  WireHeader h;
+  std::memcpy(&h, slot->data, kHeaderSize);
+  absl::Status v = ValidateHeader(h, wc.byte_len, ring_->slot_size);
+  if (!v.ok()) {
+    Protocol(v.message());
+    return;
+  }
+  // Credits and credit-message acks piggyback on every header.
+  if (h.credit_acks - credit_msgs_acked_ <= credit_msgs_sent_ - credit_msgs_acked_) {
+    credit_msgs_acked_ = h.credit_acks;
+  } else {
+    Protocol("acknowledged credit messages never sent");
+    return;
+  }
+  if (h.credits > 0) {
+    if (credits_.available() + h.credits > peer_.handshake.credits) {
+      Protocol(absl::StrFormat("returned %d credits beyond the %d announced",
+                               h.credits, peer_.handshake.credits));
+      return;
+    }
+    credits_.Release(h.credits);
+  }
+  auto consume = [&] {
+    // Internal messages give their slot back at once.
+    ++to_return_;
+    LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
+                  ring_->mr.lkey()};
+    absl::Status s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+    if (!s.ok()) {
+      Fail(absl::UnavailableError(absl::StrCat(
+          "connection lost: reposting a receive: ", s.message())));
+    }
+  };
+  switch (h.type) {
+    case kData: {
+      ++stats_.messages_received;
+      Incoming in;
+      in.ready = true;
+      in.msg.data_ = slot->data + kHeaderSize;
+      in.msg.size_ = h.length;
+      in.msg.owner_ = slot;
+      ++ring_->held;
+      incoming_.push_back(std::move(in));
+      Pump();
+      break;
+    }
+    case kCredit: {
+      // Not a credit-bearing receive: repost without counting it.
+      ++credit_msgs_seen_;
+      LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
+                    ring_->mr.lkey()};
+      absl::Status s =
+          qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+      if (!s.ok()) {
+        Fail(absl::UnavailableError(absl::StrCat(
+            "connection lost: reposting a receive: ", s.message())));
+      }
+      break;
+    }
+    case kHello:
+      consume();
+      break;
+    case kGoodbye:
+      consume();
+      peer_closed_ = true;
+      Pump();
+      break;
+    case kRts: {
+      consume();
+      if (h.length > options_.max_message_size) {
+        Protocol(absl::StrFormat("rendezvous of %d bytes exceeds our maximum %d",
+                                 h.length, options_.max_message_size));
+        return;
+      }
+      ++stats_.rendezvous_received;
+      auto* lb = new LargeBuffer();
+      lb->size = h.length;
+      lb->mem = static_cast<std::byte*>(
+          std::aligned_alloc(4096, (h.length + 4095) & ~size_t{4095}));
+      std::vector<std::byte> cts(kCtsSize);
+      uint16_t flags = 0;
+      absl::Status reg;
+      if (lb->mem == nullptr) {
+        reg = absl::ResourceExhaustedError("out of memory");
+      } else {
+        auto mr = ctx_.pd().Register(
+            lb->mem, h.length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+        if (mr.ok()) {
+          lb->mr = std::move(*mr);
+        } else {
+          reg = mr.status();
+        }
+      }
+      if (!reg.ok()) {
+        delete lb;
+        flags = kFlagRefused;
+      } else {
+        CtsPayload p{reinterpret_cast<uint64_t>(lb->mem), lb->mr.rkey(), 0};
+        std::memcpy(cts.data(), &p, kCtsSize);
+        Incoming in;
+        in.cookie = h.cookie;
+        in.large = lb;
+        incoming_.push_back(std::move(in));
+      }
+      SpawnInternal(SendControl(kCts, h.cookie, flags, std::move(cts)));
+      break;
+    }
+    case kCts: {
+      consume();
+      CtsPayload p;
+      std::memcpy(&p, slot->data + kHeaderSize, kCtsSize);
+      if (!pending_rts_.empty() && pending_rts_.front()->cookie == h.cookie) {
+        PendingRts* pr = pending_rts_.front();
+        pending_rts_.pop_front();
+        pr->granted = !(h.flags & kFlagRefused);
+        pr->refused = (h.flags & kFlagRefused) != 0;
+        pr->addr = p.addr;
+        pr->rkey = p.rkey;
+        pr->cts.Set();
+        break;
+      }
+      auto it = std::find(abandoned_.begin(), abandoned_.end(), h.cookie);
+      if (it == abandoned_.end()) {
+        Protocol(absl::StrFormat("CTS for unknown rendezvous %d", h.cookie));
+        return;
+      }
+      abandoned_.erase(it);
+      if (!(h.flags & kFlagRefused)) {
+        // The Send gave up: release the receiver's buffer.
+        SpawnInternal(SendControl(kDone, h.cookie, kFlagAborted, {}));
+      }
+      break;
+    }
+    case kDone: {
+      consume();
+      bool found = false;
+      for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
+        if (!it->ready && it->large != nullptr && it->cookie == h.cookie) {
+          found = true;
+          if (h.flags & kFlagAborted) {
+            delete it->large;
+            incoming_.erase(it);
+          } else {
+            it->ready = true;
+          }
+          break;
+        }
+      }
+      if (!found) {
+        Protocol(absl::StrFormat("DONE for unknown rendezvous %d", h.cookie));
+        return;
+      }
+      Pump();
+      break;
+    }
+    default:
+      Protocol(absl::StrFormat("unknown message type %d", h.type));
+      return;
+  }
+  MaybeSendCredits();
+}
+
+void ConnectionImpl::Pump() {
+  while (!incoming_.empty() && incoming_.front().ready) {
+    Incoming in = std::move(incoming_.front());
+    incoming_.pop_front();
+    if (in.large != nullptr) {
+      // The transfer is over: the rkey dies now, the memory stays.
+      in.large->mr.Deregister();
+      in.msg.data_ = in.large->mem;
+      in.msg.size_ = in.large->size;
+      in.msg.owner_ = in.large;
+    }
+    ready_.push_back(std::move(in.msg));
+    ready_count_.Release(1);
+  }
+  if (peer_closed_ && incoming_.empty()) {
+    ready_count_.Release(1);  // wakes a Recv to report the close
+  }
+}
+
+void ConnectionImpl::Fail(absl::Status why) {
+  if (!status_.ok()) return;
+  status_ = std::move(why);
+  // Stop posting at once (siw never completes WRs posted after a peer
+  // TERMINATE) and flush what is posted.
+  if (!qp_->in_error()) qp_->SetError(std::string(status_.message())).IgnoreError();
+  if (link_ != nullptr) link_->Disconnect();
+  // Wake every waiter; they see status_.
+  may_send_.Set();
+  credits_.Release(1 << 24);
+  ready_count_.Release(1 << 24);
+  for (PendingRts* pr : pending_rts_) pr->cts.Set();
+  pending_rts_.clear();
+  // Rendezvous that will never finish.
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    if (!it->ready) {
+      delete it->large;
+      it = incoming_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ConnectionImpl::Abort(absl::Status why) { Fail(std::move(why)); }
+
+Task<absl::Status> ConnectionImpl::SendParts(
+    std::span<const std::span<const std::byte>> parts) {
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (total > peer_max_) {
+    co_return absl::InvalidArgumentError(absl::StrFormat(
+        "send on %s: message of %d bytes exceeds the maximum %d (local %d, "
+        "peer %d)",
+        name_, total, peer_max_, options_.max_message_size,
+        peer_.handshake.max_message_size));
+  }
+  if (total <= options_.rendezvous_threshold) {
+    co_return co_await SendSmall(kData, 0, parts);
+  }
+  co_return co_await SendLarge(parts, nullptr);
+}
+
+Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (b.length > peer_max_) {
+    co_return absl::InvalidArgumentError(absl::StrFormat(
+        "send on %s: message of %d bytes exceeds the maximum %d", name_,
+        b.length, peer_max_));
+  }
+  if (b.length <= options_.rendezvous_threshold) {
+    co_return co_await SendSmall(kData, 0, {}, &b);
+  }
+  co_return co_await SendLarge({}, &b);
+}
+
+Task<absl::Status> ConnectionImpl::SendLarge(
+    std::span<const std::span<const std::byte>> parts,
+    const LocalBuffer* registered) {
+  // The payload goes straight from the caller's memory: registered for this
+  // Send only (a cache keyed by address could outlive a free/reuse of the
+  // memory and send stale pages).
+  std::vector<MemoryRegion> regs;
+  std::vector<LocalBuffer> sges;
+  uint64_t total = 0;
+  if (registered != nullptr) {
+    sges.push_back(*registered);
+    total = registered->length;
+  } else {
+    for (auto p : parts) {
+      if (p.empty()) continue;
+      auto mr = ctx_.pd().Register(const_cast<std::byte*>(p.data()), p.size(),
+                                   0);
+      if (!mr.ok()) co_return OpError("send (registering the payload)",
+                                      mr.status());
+      sges.push_back(mr->Local());
+      regs.push_back(std::move(*mr));
+      total += p.size();
+    }
+  }
+  PendingRts pr;
+  pr.cookie = next_cookie_++;
+  {
+    // The RTS; its position in the credit queue fixes the message order.
+    auto buf = co_await AcquireSend();
+    if (!buf.ok()) co_return buf.status();
+    WireHeader h;
+    FillHeader(h, kRts, static_cast<uint32_t>(total), pr.cookie, 0);
+    std::memcpy(buf->data(), &h, kHeaderSize);
+    pending_rts_.push_back(&pr);
+    transport::SendOptions so;
+    so.inline_data = kHeaderSize <= qp_->max_inline_data();
+    send_turn_.Release(1);
+    auto wc = co_await qp_->Send(buf->Local(kHeaderSize), so);
+    if (!wc.ok()) {
+      auto it = std::find(pending_rts_.begin(), pending_rts_.end(), &pr);
+      if (it != pending_rts_.end()) pending_rts_.erase(it);
+      co_return OpError("send (rendezvous request)", wc.status());
+    }
+  }
+  absl::Status s = co_await pr.cts.Wait();
+  if (!s.ok() || !pr.cts.is_set()) {
+    // Cancelled: the receiver may already hold a buffer for us; tell it.
+    auto it = std::find(pending_rts_.begin(), pending_rts_.end(), &pr);
+    if (it != pending_rts_.end()) {
+      pending_rts_.erase(it);
+      abandoned_.push_back(pr.cookie);
+    }
+    co_return s.ok() ? absl::CancelledError("send cancelled") : s;
+  }
+  if (!status_.ok()) co_return CheckUp("send");
+  if (pr.refused) {
+    co_return absl::ResourceExhaustedError(absl::StrFormat(
+        "send on %s: the peer could not provide a %d-byte buffer", name_,
+        total));
+  }
+  // RDMA WRITE(s) into the receiver's buffer, then DONE -- one post, one
+  // completion; RC ordering places the data before DONE is delivered.
+  auto buf = co_await AcquireSend();
+  if (!buf.ok()) co_return buf.status();
+  transport::SendBatch batch;
+  uint64_t off = 0;
+  RemoteRegion remote{pr.addr, total, pr.rkey};
+  for (size_t i = 0; i < sges.size(); ++i) {
+    bool last = i + 1 == sges.size();
+    std::optional<uint32_t> imm;
+    if (last && use_imm_) imm = pr.cookie;
+    batch.AddWrite(sges[i], remote.Slice(off, sges[i].length), imm);
+    off += sges[i].length;
+  }
+  if (!use_imm_) {
+    WireHeader h;
+    FillHeader(h, kDone, 0, pr.cookie, 0);
+    std::memcpy(buf->data(), &h, kHeaderSize);
+    batch.AddSend(buf->Local(kHeaderSize));
+  }
+  send_turn_.Release(1);
+  auto wc = co_await qp_->PostBatch(batch);
+  if (!wc.ok()) co_return OpError("send (rendezvous write)", wc.status());
+  ++stats_.rendezvous_sent;
+  ++stats_.messages_sent;
+  co_return absl::OkStatus();
+}
+
+Task<absl::StatusOr<Message>> ConnectionImpl::Recv() {
+  for (;;) {
+    if (!ready_.empty() && ready_count_.TryAcquire(1)) {
+      Message m = std::move(ready_.front());
+      ready_.pop_front();
+      co_return m;
+    }
+    if (!status_.ok()) co_return CheckUp("recv");
+    if (peer_closed_ && incoming_.empty() && ready_.empty()) {
+      co_return absl::UnavailableError(
+          absl::StrCat("recv on ", name_, ": closed by the peer"));
+    }
+    if (!started_) co_return CheckUp("recv");
+    absl::Status s = co_await ready_count_.Acquire(1);
+    if (!s.ok()) co_return s;
+    if (!ready_.empty()) {
+      Message m = std::move(ready_.front());
+      ready_.pop_front();
+      co_return m;
+    }
+    // A wake-up for a close or failure: loop to report it.
+    if (status_.ok() && !peer_closed_) continue;
+    if (!status_.ok()) co_return CheckUp("recv");
+  }
+}
+
+Task<absl::Status> ConnectionImpl::OneSided(bool read, LocalBuffer local,
+                                            RemoteRegion r) {
+  const char* op = read ? "RDMA READ" : "RDMA WRITE";
+  absl::Status s = CheckUp(op);
+  if (!s.ok()) co_return s;
+  auto wc = read ? co_await qp_->Read(local, r) : co_await qp_->Write(local, r);
+  if (!wc.ok()) co_return OpError(op, wc.status());
+  co_return absl::OkStatus();
+}
+
+Task<absl::StatusOr<uint64_t>> ConnectionImpl::Atomic(bool cas,
+                                                      RemoteRegion r,
+                                                      uint64_t a, uint64_t b) {
+  const char* op = cas ? "COMPARE_SWAP" : "FETCH_ADD";
+  if (!qp_->caps().atomics) {
+    co_return absl::FailedPreconditionError(absl::StrCat(
+        op, " on ", name_, ": device ", qp_->caps().device_name,
+        " has no atomics"));
+  }
+  absl::Status s = CheckUp(op);
+  if (!s.ok()) co_return s;
+  s = co_await atomic_slots_.Acquire(1);
+  if (!s.ok()) co_return s;
+  uint32_t i = atomic_free_.back();
+  atomic_free_.pop_back();
+  LocalBuffer res = atomic_mr_.Local(i * sizeof(uint64_t), sizeof(uint64_t));
+  auto wc = cas ? co_await qp_->CompareSwap(res, r, a, b)
+                : co_await qp_->FetchAdd(res, r, a);
+  uint64_t v = atomic_mem_[i];
+  atomic_free_.push_back(i);
+  atomic_slots_.Release(1);
+  if (!wc.ok()) co_return OpError(op, wc.status());
+  co_return v;
+}
+
+Task<absl::Status> ConnectionImpl::Close() {
+  if (closing_) {
+    co_return absl::OkStatus();
+  }
+  absl::Duration t = options_.close_timeout;
+  if (status_.ok() && started_) {
+    // Goodbye first, so the peer reports "closed by the peer", not a loss.
+    auto bye = [](ConnectionImpl* self) -> Task<absl::Status> {
+      co_await self->SendControl(kGoodbye, 0, 0, {});
+      co_return absl::OkStatus();
+    };
+    absl::Status s = co_await WithTimeout(bye(this), t);
+    (void)s;  // a peer that cannot take it is gone anyway
+  }
+  closing_ = true;
+  if (status_.ok()) {
+    status_ = absl::UnavailableError("closed locally");
+    if (!qp_->in_error()) qp_->SetError("closed").IgnoreError();
+    may_send_.Set();
+    credits_.Release(1 << 24);
+    ready_count_.Release(1 << 24);
+    for (PendingRts* pr : pending_rts_) pr->cts.Set();
+    pending_rts_.clear();
+  }
+  absl::Status result;
+  if (link_ != nullptr) {
+    link_->Disconnect();
+    absl::Status s = co_await link_->WaitDown(t);
+    if (!s.ok() && s.code() != absl::StatusCode::kDeadlineExceeded) result = s;
+  }
+  absl::Status s = co_await qp_->Close();
+  if (!s.ok() && result.ok()) result = s;
+  // Internal control sends hold the connection alive; they have all been
+  // woken or flushed by now.
+  s = co_await WithTimeout(
+      [](WaitGroup& wg) -> Task<absl::Status> {
+        co_return co_await wg.Wait();
+      }(tasks_),
+      t);
+  if (!s.ok() && result.ok()) result = s;
+  co_return result;
+}
+
+// Runs once the Connection and every internal task are gone.
+ConnectionImpl::~ConnectionImpl() {
+  if (status_.ok()) Fail(absl::UnavailableError("connection destroyed"));
+  qp_.reset();  // drains (bounded) before freeing what the NIC may touch
+  link_.reset();
+  for (Incoming& in : incoming_) delete in.large;
+  incoming_.clear();
+  ready_.clear();
+  if (ring_ != nullptr) {
+    ring_->conn = nullptr;
+    ring_->MaybeDelete();
+  }
+}
+
+}  // namespace internal
+
+// ---------------------------------------------------------------------------
+// Message
+
+Message::Message(Message&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      owner_(std::exchange(o.owner_, nullptr)) {}
+
+Message& Message::operator=(Message&& o) noexcept {
+  if (this != &o) {
+    if (owner_ != nullptr) owner_->Release();
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    owner_ = std::exchange(o.owner_, nullptr);
+  }
+  return *this;
+}
+
+Message::~Message() {
+  if (owner_ != nullptr) owner_->Release();
+}
+
+// ---------------------------------------------------------------------------
+// RegionToken
+
+std::string RegionToken::Encode() const {
+  std::string out(kEncodedSize, '\0');
+  std::memcpy(out.data(), &region.addr, 8);
+  std::memcpy(out.data() + 8, &region.length, 8);
+  std::memcpy(out.data() + 16, &region.rkey, 4);
+  return out;
+}
+
+absl::StatusOr<RegionToken> RegionToken::Decode(
+    std::span<const std::byte> data) {
+  if (data.size() != kEncodedSize) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "region token: %d bytes, expected %d", data.size(), kEncodedSize));
+  }
+  RegionToken t;
+  std::memcpy(&t.region.addr, data.data(), 8);
+  std::memcpy(&t.region.length, data.data() + 8, 8);
+  std::memcpy(&t.region.rkey, data.data() + 16, 4);
+  if (t.region.length == 0 || t.region.addr + t.region.length < t.region.addr) {
+    return absl::InvalidArgumentError("region token: empty or wrapping range");
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+// Connection
+
+Connection::Connection(std::shared_ptr<internal::ConnectionImpl> impl)
+    : impl_(std::move(impl)) {}
+// Internal tasks (control sends) keep the state alive until they end; the
+// abort wakes or flushes all of them.
+Connection::~Connection() {
+  impl_->Abort(absl::UnavailableError("connection destroyed"));
+}
+
+Task<absl::Status> Connection::Send(std::span<const std::byte> payload) {
+  std::span<const std::byte> parts[1] = {payload};
+  co_return co_await impl_->SendParts(parts);
+}
+Task<absl::Status> Connection::SendV(
+    std::span<const std::span<const std::byte>> parts) {
+  return impl_->SendParts(parts);
+}
+Task<absl::Status> Connection::Send(transport::LocalBuffer registered) {
+  return impl_->SendRegistered(registered);
+}
+Task<absl::StatusOr<Message>> Connection::Recv() { return impl_->Recv(); }
+
+absl::StatusOr<RegionToken> Connection::Expose(const transport::MemoryRegion& mr,
+                                               int access, size_t offset,
+                                               size_t length) {
+  constexpr int kRemote =
+      IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  if (!mr.valid()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expose on ", name(), ": the region is not registered"));
+  }
+  if ((access & ~kRemote) != 0 || access == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expose on ", name(),
+        ": access must be a non-empty set of IBV_ACCESS_REMOTE_* flags"));
+  }
+  if ((mr.access() & access) != access) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "expose on %s: the region was registered with access 0x%x, which "
+        "lacks 0x%x",
+        name(), mr.access(), access & ~mr.access()));
+  }
+  if (offset > mr.length()) {
+    return absl::OutOfRangeError(absl::StrCat("expose on ", name(),
+                                              ": offset beyond the region"));
+  }
+  RegionToken t;
+  t.region = mr.Remote(offset, length);
+  return t;
+}
+
+Task<absl::Status> Connection::Read(transport::LocalBuffer local,
+                                    transport::RemoteRegion remote) {
+  return impl_->OneSided(true, local, remote);
+}
+Task<absl::Status> Connection::Write(transport::LocalBuffer local,
+                                     transport::RemoteRegion remote) {
+  return impl_->OneSided(false, local, remote);
+}
+Task<absl::StatusOr<uint64_t>> Connection::FetchAdd(
+    transport::RemoteRegion remote, uint64_t add) {
+  return impl_->Atomic(false, remote, add, 0);
+}
+Task<absl::StatusOr<uint64_t>> Connection::CompareSwap(
+    transport::RemoteRegion remote, uint64_t compare, uint64_t swap) {
+  return impl_->Atomic(true, remote, compare, swap);
+}
+Task<absl::Status> Connection::Close() { return impl_->Close(); }
+
+absl::Status Connection::status() const { return impl_->status(); }
+const PeerInfo& Connection::peer() const { return impl_->peer(); }
+Context& Connection::context() const { return impl_->context(); }
+transport::QueuePair& Connection::qp() const { return impl_->qp(); }
+const std::string& Connection::name() const { return impl_->name(); }
+Connection::Stats Connection::stats() const { return impl_->stats(); }
+
+transport::QpOptions Connection::QpOptionsFor(Context& ctx,
+                                              const ConnectionOptions& o) {
+  transport::QpOptions q = o.qp;
+  const transport::DeviceCaps& caps = ctx.device().caps();
+  // The send queue only bounds how much is posted at once (the QueuePair
+  // queues the rest); credits bound what the peer must absorb.
+  uint32_t send = o.send_depth + internal::kCreditReserve + 4;
+  uint32_t recv = o.recv_credits + internal::kCreditReserve;
+  if (caps.max_qp_wr != 0) {
+    send = std::min(send, caps.max_qp_wr);
+    recv = std::min(recv, caps.max_qp_wr);
+  }
+  q.max_send_wr = send;
+  q.max_recv_wr = recv;
+  q.max_send_sge = std::max<uint32_t>(q.max_send_sge, 2);
+  if (caps.max_sge != 0) q.max_send_sge = std::min(q.max_send_sge, caps.max_sge);
+  q.max_recv_sge = 1;
+  return q;
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> Connection::CreateUnstarted(
+    Context& ctx, std::unique_ptr<transport::QueuePair> qp,
+    const ConnectionOptions& o, bool active_side) {
+  if (o.use_srq) {
+    return absl::UnimplementedError(
+        "ConnectionOptions::use_srq: shared receive queues are not "
+        "supported by the messaging layer yet");
+  }
+  auto impl = std::make_shared<internal::ConnectionImpl>(ctx, std::move(qp), o,
+                                                         active_side);
+  absl::Status s = impl->Init();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Connection>(new Connection(std::move(impl)));
+}
+
+Handshake Connection::LocalHandshake() const { return impl_->LocalHandshake(); }
+
+absl::Status Connection::Start(PeerInfo peer,
+                               std::unique_ptr<internal::Link> link) {
+  return impl_->Start(std::move(peer), std::move(link));
+}
+
+}  // namespace coverbs::cm

@@ -1,0 +1,96 @@
+// Internal: the framing of messages on a connection (see README.md,
+// "Messaging"). Little endian; every field is validated on receipt.
+#ifndef COVERBS_CM_WIRE_H_
+#define COVERBS_CM_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+
+namespace coverbs::cm::internal {
+
+enum MsgType : uint8_t {
+  kData = 1,     // eager payload follows the header
+  kCredit = 2,   // credits only; uses the reserve receives, never a credit
+  kRts = 3,      // rendezvous request: length = message size, cookie = id
+  kCts = 4,      // rendezvous grant: CtsPayload, cookie echoed
+  kDone = 5,     // rendezvous data written (or aborted: kFlagAborted)
+  kHello = 6,    // iWARP: the active side's first message
+  kGoodbye = 7,  // orderly close: no more messages follow
+};
+inline constexpr uint8_t kMaxMsgType = kGoodbye;
+
+inline constexpr uint8_t kFlagRefused = 1;  // kCts: no buffer for this size
+inline constexpr uint8_t kFlagAborted = 2;  // kDone: the sender gave up
+
+struct WireHeader {
+  uint8_t type;
+  uint8_t flags;
+  uint16_t credits;      // receives reposted since the last header
+  uint32_t length;       // payload (kData) or message size (kRts)
+  uint32_t credit_acks;  // kCredit messages received so far (wrapping)
+  uint32_t cookie;       // rendezvous id
+};
+inline constexpr size_t kHeaderSize = 16;
+static_assert(sizeof(WireHeader) == kHeaderSize);
+
+struct CtsPayload {
+  uint64_t addr;
+  uint32_t rkey;
+  uint32_t reserved;
+};
+inline constexpr size_t kCtsSize = 16;
+static_assert(sizeof(CtsPayload) == kCtsSize);
+
+// Receives posted beyond the credits, for credit messages.
+inline constexpr uint32_t kCreditReserve = 2;
+inline constexpr uint64_t kMaxWireLength = 0xffffffffull;
+
+// Checks a received header against the completion's byte count and the
+// receive buffer size. The message names what is wrong.
+inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
+                                   size_t slot_size) {
+  if (h.type == 0 || h.type > kMaxMsgType) {
+    return absl::DataLossError(
+        absl::StrFormat("unknown message type %d", h.type));
+  }
+  uint32_t payload = byte_len - static_cast<uint32_t>(kHeaderSize);
+  switch (h.type) {
+    case kData:
+      if (h.length != payload || h.length > slot_size - kHeaderSize) {
+        return absl::DataLossError(absl::StrFormat(
+            "data message announces %d bytes but carries %d", h.length,
+            payload));
+      }
+      break;
+    case kRts:
+      if (payload != 0 || h.length == 0) {
+        return absl::DataLossError(absl::StrFormat(
+            "malformed rendezvous request (size %d, %d extra bytes)", h.length,
+            payload));
+      }
+      break;
+    case kCts:
+      if (payload != kCtsSize || h.length != kCtsSize) {
+        return absl::DataLossError(absl::StrFormat(
+            "malformed rendezvous grant (%d bytes)", payload));
+      }
+      break;
+    default:
+      if (payload != 0 || h.length != 0) {
+        return absl::DataLossError(absl::StrFormat(
+            "control message type %d carries %d unexpected bytes", h.type,
+            payload));
+      }
+  }
+  if (h.flags & ~(kFlagRefused | kFlagAborted)) {
+    return absl::DataLossError(absl::StrFormat("unknown flags 0x%x", h.flags));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace coverbs::cm::internal
+
+#endif  // COVERBS_CM_WIRE_H_

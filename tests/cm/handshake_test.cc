@@ -1,0 +1,112 @@
+#include "cm/handshake.h"
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace coverbs::cm {
+namespace {
+
+std::span<const std::byte> B(const std::string& s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+Handshake Valid() {
+  Handshake h;
+  h.caps = kCapWriteWithImm;
+  h.credits = 64;
+  h.recv_buffer_size = 8256;
+  h.max_message_size = 64ull << 20;
+  h.app_data = "tenant-7";
+  return h;
+}
+
+TEST(Handshake, RoundTrips) {
+  auto enc = EncodeHandshake(Valid());
+  ASSERT_TRUE(enc.ok());
+  EXPECT_LE(enc->size(), 56u);  // fits IB's connect private data
+  auto d = DecodeHandshake(B(*enc));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->credits, 64u);
+  EXPECT_EQ(d->recv_buffer_size, 8256u);
+  EXPECT_EQ(d->max_message_size, 64ull << 20);
+  EXPECT_EQ(d->caps, kCapWriteWithImm);
+  EXPECT_EQ(d->app_data, "tenant-7");
+  // Transports may pad private data.
+  std::string padded = *enc + std::string(20, '\0');
+  EXPECT_TRUE(DecodeHandshake(B(padded)).ok());
+}
+
+TEST(Handshake, RejectsTooMuchAppData) {
+  Handshake h = Valid();
+  h.app_data = std::string(kMaxAppData + 1, 'x');
+  EXPECT_EQ(EncodeHandshake(h).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Handshake, VersionMismatchNamesBothVersions) {
+  Handshake h = Valid();
+  h.version = kProtocolVersion + 1;
+  auto enc = EncodeHandshake(h);
+  ASSERT_TRUE(enc.ok());
+  auto d = DecodeHandshake(B(*enc));
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(d.status().message()).find("peer speaks 2, local 1"),
+            std::string::npos)
+      << d.status();
+}
+
+TEST(Handshake, RejectsBadFields) {
+  auto enc = *EncodeHandshake(Valid());
+  EXPECT_FALSE(DecodeHandshake(B(enc.substr(0, 20))).ok());  // truncated
+  EXPECT_FALSE(DecodeHandshake(B(enc.substr(0, 3))).ok());
+  std::string bad_magic = enc;
+  bad_magic[0] ^= 1;
+  EXPECT_NE(std::string(DecodeHandshake(B(bad_magic)).status().message())
+                .find("bad magic"),
+            std::string::npos);
+  Handshake z = Valid();
+  z.credits = 0;
+  EXPECT_FALSE(DecodeHandshake(B(*EncodeHandshake(z))).ok());
+  z = Valid();
+  z.recv_buffer_size = 8;
+  EXPECT_FALSE(DecodeHandshake(B(*EncodeHandshake(z))).ok());
+  z = Valid();
+  z.max_message_size = 0;
+  EXPECT_FALSE(DecodeHandshake(B(*EncodeHandshake(z))).ok());
+  std::string long_app = enc;
+  long_app[6] = 100;  // app data length beyond the data
+  EXPECT_FALSE(DecodeHandshake(B(long_app)).ok());
+}
+
+TEST(Handshake, RandomAndTruncatedInputNeverCrash) {
+  std::mt19937 rng(12345);
+  auto enc = *EncodeHandshake(Valid());
+  int ok = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string s;
+    if (i % 2 == 0) {
+      s = enc.substr(0, rng() % (enc.size() + 1));
+      if (!s.empty() && i % 4 == 0) s[rng() % s.size()] ^= 1 << (rng() % 8);
+    } else {
+      s.resize(rng() % 80);
+      for (char& c : s) c = static_cast<char>(rng());
+    }
+    if (DecodeHandshake(B(s)).ok()) ++ok;
+    DecodeReject(B(s));
+  }
+  EXPECT_LT(ok, 20000);
+}
+
+TEST(Reject, RoundTripsAndTruncates) {
+  EXPECT_EQ(DecodeReject(B(EncodeReject("server is full"))), "server is full");
+  std::string long_reason(500, 'r');
+  EXPECT_EQ(DecodeReject(B(EncodeReject(long_reason))).size(),
+            kMaxRejectReason);
+  EXPECT_EQ(DecodeReject(B(std::string("garbage"))), "");
+}
+
+}  // namespace
+}  // namespace coverbs::cm
