@@ -163,16 +163,17 @@ std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
 }
 
 Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
-    cm::Context& ctx, const std::string& address, uint16_t port,
-    const ClientOptions& options) {
+    cm::Context& ctx, std::string address, uint16_t port,
+    ClientOptions options) {
   auto conn = co_await cm::Connect(ctx, address, port, options.connect);
   if (!conn.ok()) co_return conn.status();
   co_return Create(*std::move(conn), options);
 }
 
 Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
-    cm::Context& ctx, const std::string& address, uint16_t port) {
-  return Connect(ctx, address, port, ClientOptions{});
+    cm::Context& ctx, std::string address, uint16_t port) {
+  // Options by value: this Task is lazy and must not refer to a temporary.
+  return Connect(ctx, std::move(address), port, ClientOptions{});
 }
 
 Client::~Client() {

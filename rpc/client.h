@@ -57,10 +57,10 @@ class Client {
  public:
   // Connects and starts the client on ctx's reactor (call it there).
   static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
-      cm::Context& ctx, const std::string& address, uint16_t port,
-      const ClientOptions& options);
+      cm::Context& ctx, std::string address, uint16_t port,
+      ClientOptions options);
   static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
-      cm::Context& ctx, const std::string& address, uint16_t port);
+      cm::Context& ctx, std::string address, uint16_t port);
   // Takes an established connection (on its reactor thread).
   static std::unique_ptr<Client> Create(std::unique_ptr<cm::Connection> conn,
                                         const ClientOptions& options);

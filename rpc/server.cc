@@ -384,11 +384,11 @@ Task<void> Server::SendError(std::shared_ptr<Conn> c, uint64_t call_id,
   (void)co_await c->conn->Send(std::as_bytes(std::span(frame)));
 }
 
-void Server::Shutdown() {
+bool Server::BeginShutdown() {
   std::vector<std::shared_ptr<Conn>> conns;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (shut_down_) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return false;
     shutting_down_ = true;
     for (auto& w : conns_) {
       if (auto c = w.lock()) conns.push_back(std::move(c));
@@ -401,10 +401,33 @@ void Server::Shutdown() {
     Reactor& r = c->ctx->reactor();
     r.Post([c]() { c->stop.request_stop(); });
   }
-  conns.clear();  // the loops keep their own references
+  return true;  // the loops keep their own references
+}
+
+void Server::Shutdown() {
+  if (!BeginShutdown()) return;
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return live_ == 0; });
   shut_down_ = true;
+}
+
+Task<void> Server::ShutdownAsync() {
+  if (!BeginShutdown()) co_return;
+  Reactor* r = Reactor::Current();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (live_ == 0) {
+        shut_down_ = true;
+        co_return;
+      }
+    }
+    // Polled: the connections may end on other reactors.
+    (void)co_await Unstoppable(
+        [](Reactor* r) -> Task<absl::Status> {
+          co_return co_await r->Sleep(absl::Milliseconds(1));
+        }(r));
+  }
 }
 
 }  // namespace coverbs::rpc

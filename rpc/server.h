@@ -83,7 +83,7 @@ class Server {
  public:
   Server();
   explicit Server(ServerOptions options);
-  // Shuts down if Start() or Serve() ran and Shutdown() was not called.
+  // Shutdown() (so with a single reactor, await ShutdownAsync() first).
   ~Server();
   Server(const Server&) = delete;
 
@@ -108,6 +108,9 @@ class Server {
   // called on one of the server's reactor threads (it waits for them), and
   // before those reactors stop.
   void Shutdown();
+  // The same from a coroutine, e.g. on the server's only reactor; polls
+  // (1 ms) until every connection ended.
+  Task<void> ShutdownAsync();
 
   struct Stats {
     uint64_t connections = 0;
@@ -136,6 +139,7 @@ class Server {
   Task<void> SendError(std::shared_ptr<Conn> c, uint64_t call_id,
                        uint32_t method_id, absl::Status status);
   std::shared_ptr<Conn> NewConn(cm::Context* ctx);
+  bool BeginShutdown();
   void ConnGone();
 
   ServerOptions options_;
