@@ -1,0 +1,286 @@
+#include "rpc/client.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "core/reactor.h"
+#include "core/sync.h"
+#include "core/timeout.h"
+
+namespace coverbs::rpc {
+
+namespace {
+struct Pending;
+}
+
+struct Client::State {
+  std::unique_ptr<cm::Connection> conn;
+  ClientOptions options;
+  Reactor* reactor = nullptr;
+  absl::flat_hash_map<uint64_t, Pending*> pending;
+  uint64_t next_id = 1;
+  absl::Status status;  // OK while usable
+  std::stop_source reader_stop;
+  Event reader_done;
+  DecodeLimits limits;
+  size_t eager_max = 0;  // responses up to this size sit in a receive buffer
+  bool closing = false;
+  Stats stats;
+
+  void FailAll(const absl::Status& why);
+};
+
+namespace {
+
+// One waiting call; lives in the Call coroutine's frame.
+struct Pending {
+  Client::State* st;
+  uint64_t id;
+  Event done;
+  std::optional<absl::StatusOr<Response>> result;
+  Pending(Client::State* s, uint64_t i) : st(s), id(i) {}
+  ~Pending() {
+    // Frame destroyed while registered (reactor shutdown): unregister.
+    auto it = st->pending.find(id);
+    if (it != st->pending.end() && it->second == this) st->pending.erase(it);
+  }
+  void Complete(absl::StatusOr<Response> r) {
+    result.emplace(std::move(r));
+    done.Set();
+  }
+};
+
+struct DeadlineTimer final : internal::TimerNode {
+  Reactor* reactor = nullptr;
+  std::stop_source* source = nullptr;
+  bool fired = false;
+  void OnTimer() override {
+    fired = true;
+    source->request_stop();
+  }
+  ~DeadlineTimer() {
+    if (reactor != nullptr && armed()) reactor->CancelTimer(this);
+  }
+};
+
+template <typename T>
+Task<T> Unstoppable(Task<T> t) {
+  t.SetStopToken(std::stop_token{});
+  co_return co_await std::move(t);
+}
+
+Task<absl::Status> SendAndWait(cm::Connection* conn, Pending* p,
+                               HeaderBytes hdr,
+                               std::span<const std::byte> payload) {
+  std::span<const std::byte> parts[2] = {hdr, payload};
+  absl::Status s = co_await conn->SendV(parts);
+  if (!s.ok()) co_return s;
+  co_return co_await p->done.Wait();
+}
+
+Task<void> SendCancel(std::shared_ptr<Client::State> st, uint64_t id,
+                      uint32_t method_id) {
+  HeaderBytes hdr = CancelHeader(id, method_id);
+  if (!st->status.ok()) co_return;
+  ++st->stats.cancels_sent;
+  (void)co_await st->conn->Send(std::span<const std::byte>(hdr));
+}
+
+Task<void> Reader(std::shared_ptr<Client::State> st) {
+  cm::Connection& conn = *st->conn;
+  bool close = false;
+  for (;;) {
+    auto m = co_await conn.Recv();
+    if (!m.ok()) {
+      st->FailAll(absl::UnavailableError(
+          absl::StrCat("rpc connection ", conn.name(), " is down: ",
+                       m.status().message())));
+      break;
+    }
+    auto f = DecodeFrame(m->data(), Side::kClient, st->limits);
+    if (!f.ok()) {
+      st->FailAll(absl::UnavailableError(
+          absl::StrCat("rpc connection ", conn.name(),
+                       " closed: bad frame from the server: ",
+                       f.status().message())));
+      close = true;
+      break;
+    }
+    const FrameHeader& h = f->header;
+    if (h.call_id == 0) {  // the server closes the connection, and says why
+      absl::Status why = StatusFromErrorFrame(*f);
+      st->FailAll(absl::UnavailableError(
+          absl::StrCat("rpc connection ", conn.name(),
+                       " closed by the server: ", why.ToString())));
+      close = true;
+      break;
+    }
+    auto it = st->pending.find(h.call_id);
+    if (it == st->pending.end()) {
+      // The caller gave up (deadline, cancel) before the response came.
+      ++st->stats.late_responses;
+      continue;
+    }
+    Pending* p = it->second;
+    st->pending.erase(it);
+    if (h.type == FrameType::kError) {
+      p->Complete(StatusFromErrorFrame(*f));
+    } else if (m->size() <= st->eager_max) {
+      p->Complete(Payload::Copy(f->payload));
+    } else {
+      p->Complete(Payload(*std::move(m), kHeaderSize));
+    }
+  }
+  if (close) (void)co_await Unstoppable(conn.Close());
+  st->reader_done.Set();
+}
+
+}  // namespace
+
+void Client::State::FailAll(const absl::Status& why) {
+  if (status.ok()) status = why;
+  auto calls = std::move(pending);
+  pending.clear();
+  for (auto& [id, p] : calls) p->Complete(status);
+}
+
+std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
+                                       const ClientOptions& options) {
+  auto st = std::make_shared<State>();
+  st->reactor = &conn->context().reactor();
+  st->options = options;
+  cm::Handshake local = conn->LocalHandshake();
+  st->eager_max = local.recv_buffer_size;
+  uint64_t mine = local.max_message_size;
+  st->limits.max_payload = std::min<uint64_t>(
+      options.max_response_size, mine > kHeaderSize ? mine - kHeaderSize : 0);
+  st->status = conn->status();
+  st->conn = std::move(conn);
+  st->reactor->Spawn(Reader(st), st->reader_stop.get_token());
+  return std::unique_ptr<Client>(new Client(std::move(st)));
+}
+
+Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
+    cm::Context& ctx, std::string address, uint16_t port,
+    ClientOptions options) {
+  auto conn = co_await cm::Connect(ctx, address, port, options.connect);
+  if (!conn.ok()) co_return conn.status();
+  co_return Create(*std::move(conn), options);
+}
+
+Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
+    cm::Context& ctx, std::string address, uint16_t port) {
+  // Options by value: this Task is lazy and must not refer to a temporary.
+  return Connect(ctx, std::move(address), port, ClientOptions{});
+}
+
+Client::~Client() {
+  state_->FailAll(absl::CancelledError("rpc client destroyed"));
+  // The reader ends (its Recv is cancelled) and drops the connection.
+  state_->reader_stop.request_stop();
+}
+
+absl::Status Client::status() const { return state_->status; }
+size_t Client::in_flight() const { return state_->pending.size(); }
+cm::Connection& Client::connection() const { return *state_->conn; }
+Client::Stats Client::stats() const { return state_->stats; }
+
+Task<absl::StatusOr<Response>> Client::Call(
+    std::string_view method, std::span<const std::byte> payload) {
+  return Call(method, payload, CallOptions{});
+}
+
+Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
+                                            std::span<const std::byte> payload,
+                                            CallOptions options) {
+  std::shared_ptr<State> st = state_;
+  const uint32_t method_id = MethodId(method);
+  const std::string name(method);
+  if (!st->status.ok()) {
+    co_return absl::UnavailableError(absl::StrCat(
+        "rpc call ", name, ": ", st->status.message()));
+  }
+  uint64_t peer_max = st->conn->peer().handshake.max_message_size;
+  uint64_t limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
+  if (payload.size() > limit || payload.size() > 0xffffffffull) {
+    co_return absl::InvalidArgumentError(absl::StrCat(
+        "rpc call ", name, ": request of ", payload.size(),
+        " bytes exceeds the connection's limit of ", limit));
+  }
+  if (options.deadline <= absl::Now()) {
+    co_return absl::DeadlineExceededError(
+        absl::StrCat("rpc call ", name, ": deadline already passed"));
+  }
+  const uint64_t id = st->next_id++;
+  ++st->stats.calls;
+
+  // One stop source for the call: the caller's ambient token, the explicit
+  // cancel token and the deadline all request it.
+  std::stop_source source;
+  std::stop_token ambient = co_await CurrentStopToken();
+  std::optional<std::stop_callback<internal::StopForwarder>> link1, link2;
+  if (ambient.stop_possible()) {
+    link1.emplace(ambient, internal::StopForwarder{&source});
+  }
+  if (options.cancel.stop_possible()) {
+    link2.emplace(options.cancel, internal::StopForwarder{&source});
+  }
+  DeadlineTimer timer;
+  if (options.deadline != absl::InfiniteFuture()) {
+    timer.reactor = st->reactor;
+    timer.source = &source;
+    timer.deadline = SteadyAfter(options.deadline - absl::Now());
+    st->reactor->AddTimer(&timer);
+  }
+
+  Pending p(st.get(), id);
+  st->pending.emplace(id, &p);
+  Task<absl::Status> inner = SendAndWait(
+      st->conn.get(), &p,
+      RequestHeader(id, method_id, static_cast<uint32_t>(payload.size())),
+      payload);
+  inner.SetStopToken(source.get_token());
+  absl::Status s = co_await std::move(inner);
+  if (timer.armed()) st->reactor->CancelTimer(&timer);
+  if (p.result.has_value()) co_return *std::move(p.result);
+  // No result: the send failed or the call was stopped.
+  auto it = st->pending.find(id);
+  if (it != st->pending.end()) st->pending.erase(it);
+  if (source.stop_requested()) {
+    // Tell the server to stop the handler; its response, if already on the
+    // way, is dropped by the reader (unknown id).
+    if (st->status.ok()) st->reactor->Spawn(SendCancel(st, id, method_id));
+    if (timer.fired) {
+      co_return absl::DeadlineExceededError(absl::StrCat(
+          "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+          ": deadline exceeded; the call was cancelled"));
+    }
+    co_return absl::CancelledError(absl::StrCat(
+        "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+        ": cancelled"));
+  }
+  if (!st->status.ok()) {
+    co_return absl::UnavailableError(
+        absl::StrCat("rpc call ", name, ": ", st->status.message()));
+  }
+  co_return absl::UnavailableError(absl::StrCat(
+      "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+      ": sending the request failed: ", s.ToString()));
+}
+
+Task<absl::Status> Client::Close() {
+  std::shared_ptr<State> st = state_;
+  if (st->closing) co_return absl::OkStatus();
+  st->closing = true;
+  st->FailAll(absl::UnavailableError(
+      absl::StrCat("rpc client on ", st->conn->name(), " closed")));
+  st->reader_stop.request_stop();
+  (void)co_await Unstoppable(
+      [](Event* e) -> Task<absl::Status> { co_return co_await e->Wait(); }(
+          &st->reader_done));
+  co_return co_await Unstoppable(st->conn->Close());
+}
+
+}  // namespace coverbs::rpc

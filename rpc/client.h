@@ -1,0 +1,109 @@
+// rpc::Client: calls over one cm connection, many in flight at once.
+//
+//   auto client = co_await rpc::Client::Connect(ctx, "10.0.0.1", 7471);
+//   rpc::CallOptions o;
+//   o.deadline = absl::Now() + absl::Milliseconds(50);
+//   absl::StatusOr<rpc::Response> r = co_await (*client)->Call("Echo", bytes, o);
+//
+// Contract (wire format and sequences: rpc/README.md):
+//  - Calls are pipelined: each gets a call id, responses are matched by id
+//    and may come back in any order.
+//  - Deadline / cancellation (CallOptions, and the caller's ambient stop
+//    token): the call returns DEADLINE_EXCEEDED / CANCELLED at once, a
+//    cancel frame tells the server to stop the handler, and a response that
+//    arrives later is dropped (counted in stats().late_responses).
+//  - The server's error travels back as the Status it returned (code and
+//    message); an unknown method is NOT_FOUND.
+//  - When the connection goes down (peer closed or died, a protocol error,
+//    Close) every pending call fails with UNAVAILABLE naming the connection
+//    and the cause, and later calls fail at once.
+//  - Single reactor: use a Client on its connection's reactor thread.
+#ifndef COVERBS_RPC_CLIENT_H_
+#define COVERBS_RPC_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cm/connection.h"
+#include "cm/context.h"
+#include "cm/listener.h"
+#include "core/task.h"
+#include "rpc/payload.h"
+#include "rpc/wire.h"
+
+namespace coverbs::rpc {
+
+struct ClientOptions {
+  // Largest response payload accepted (also bounded by the connection's
+  // max_message_size minus the 32-byte frame header).
+  uint64_t max_response_size = (64ull << 20) - kHeaderSize;
+  // For Client::Connect.
+  cm::ConnectOptions connect;
+};
+
+struct CallOptions {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::stop_token cancel;  // in addition to the caller's ambient token
+};
+
+class Client {
+ public:
+  // Connects and starts the client on ctx's reactor (call it there).
+  static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
+      cm::Context& ctx, std::string address, uint16_t port,
+      ClientOptions options);
+  static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
+      cm::Context& ctx, std::string address, uint16_t port);
+  // Takes an established connection (on its reactor thread).
+  static std::unique_ptr<Client> Create(std::unique_ptr<cm::Connection> conn,
+                                        const ClientOptions& options);
+  // Fails pending calls (CANCELLED) and drops the connection abruptly if
+  // Close() was not awaited.
+  ~Client();
+  Client(const Client&) = delete;
+
+  // `payload` must stay valid until the call completes. Small responses are
+  // copied out of the receive buffer (so holding many responses never
+  // starves the connection of receive buffers); large ones (rendezvous)
+  // are handed over zero-copy.
+  // (Overloads, not default arguments: gcc 12 mis-copies default-argument
+  // temporaries of coroutines inside co_await expressions.)
+  Task<absl::StatusOr<Response>> Call(std::string_view method,
+                                      std::span<const std::byte> payload,
+                                      CallOptions options);
+  Task<absl::StatusOr<Response>> Call(std::string_view method,
+                                      std::span<const std::byte> payload);
+
+  // Fails pending calls with UNAVAILABLE, stops the receive loop and closes
+  // the connection gracefully. Idempotent.
+  Task<absl::Status> Close();
+
+  // OK while usable; else why not.
+  absl::Status status() const;
+  size_t in_flight() const;
+  cm::Connection& connection() const;
+
+  struct Stats {
+    uint64_t calls = 0;
+    uint64_t late_responses = 0;  // for calls that were no longer waiting
+    uint64_t cancels_sent = 0;
+  };
+  Stats stats() const;
+
+  struct State;  // internal
+
+ private:
+  explicit Client(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace coverbs::rpc
+
+#endif  // COVERBS_RPC_CLIENT_H_

@@ -1,0 +1,433 @@
+#include "rpc/server.h"
+
+#include <future>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/reactor.h"
+#include "core/sync.h"
+#include "core/timeout.h"
+
+namespace coverbs::rpc {
+
+// One connection's serving state. Shared by its receive loop and its call
+// coroutines; lives on the connection's reactor.
+struct Server::Conn {
+  struct Call {
+    std::stop_source stop;
+    bool cancelled_by_peer = false;
+  };
+
+  Server* server = nullptr;
+  cm::Context* ctx = nullptr;
+  std::unique_ptr<cm::Connection> conn;
+  std::stop_source stop;  // Shutdown: ends the receive loop
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Call>> calls;
+  Semaphore running;    // handler slots
+  Semaphore admission;  // running + queued
+  WaitGroup active;     // call coroutines alive
+  // Small requests whose payload view pins one of the connection's receive
+  // buffers. Kept under half of them so that cancels and new requests can
+  // still arrive while handlers run; above, payloads are copied.
+  std::shared_ptr<std::atomic<uint32_t>> held =
+      std::make_shared<std::atomic<uint32_t>>(0);
+  uint32_t max_held = 1;
+  size_t eager_max = 0;  // messages up to this size sit in a receive buffer
+  DecodeLimits limits;
+
+  Conn(size_t max_running, size_t max_outstanding)
+      : running(max_running), admission(max_outstanding) {}
+  ~Conn() { server->ConnGone(); }
+
+  const std::string& name() const {
+    static const std::string kNone = "(not connected)";
+    return conn ? conn->name() : kNone;
+  }
+};
+
+namespace {
+
+// Runs `t` with no stop token: teardown steps must finish even when the
+// coroutine doing them was asked to stop (they are bounded on their own).
+template <typename T>
+Task<T> Unstoppable(Task<T> t) {
+  t.SetStopToken(std::stop_token{});
+  co_return co_await std::move(t);
+}
+
+// Lease on a receive buffer held by a request payload.
+struct HeldLease {
+  std::shared_ptr<std::atomic<uint32_t>> held;
+  ~HeldLease() { held->fetch_sub(1); }
+};
+
+}  // namespace
+
+Server::Server() : Server(ServerOptions{}) {}
+Server::Server(ServerOptions options) : options_(std::move(options)) {
+  if (options_.max_concurrent_calls == 0) options_.max_concurrent_calls = 1;
+}
+
+Server::~Server() { Shutdown(); }
+
+absl::Status Server::Register(std::string_view name, Handler handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("register ", std::string(name), ": the server already started"));
+  }
+  if (!handler) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register ", std::string(name), ": empty handler"));
+  }
+  uint32_t id = MethodId(name);
+  auto it = methods_.find(id);
+  if (it != methods_.end()) {
+    if (it->second->name == name) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("method ", std::string(name), " is already registered"));
+    }
+    return absl::AlreadyExistsError(absl::StrFormat(
+        "method %s has the same id 0x%08x as registered method %s; rename one",
+        std::string(name), id, it->second->name));
+  }
+  auto m = std::make_unique<Method>();
+  m->name = std::string(name);
+  m->handler = std::move(handler);
+  methods_.emplace(id, std::move(m));
+  return absl::OkStatus();
+}
+
+Server::Stats Server::stats() const {
+  Stats s;
+  s.connections = stats_.connections.load();
+  s.calls = stats_.calls.load();
+  s.cancels_received = stats_.cancels_received.load();
+  s.cancelled_calls = stats_.cancelled_calls.load();
+  s.unknown_method = stats_.unknown_method.load();
+  s.protocol_errors = stats_.protocol_errors.load();
+  s.copied_requests = stats_.copied_requests.load();
+  return s;
+}
+
+std::shared_ptr<Server::Conn> Server::NewConn(cm::Context* ctx) {
+  auto c = std::make_shared<Conn>(
+      options_.max_concurrent_calls,
+      options_.max_concurrent_calls + options_.max_queued_calls);
+  c->server = this;
+  c->ctx = ctx;
+  std::lock_guard<std::mutex> lock(mu_);
+  started_ = true;
+  ++live_;
+  if (shutting_down_) c->stop.request_stop();
+  // Forget connections that ended, so the list stays bounded.
+  std::erase_if(conns_, [](const std::weak_ptr<Conn>& w) { return w.expired(); });
+  conns_.push_back(c);
+  return c;
+}
+
+void Server::ConnGone() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --live_;
+  cv_.notify_all();
+}
+
+absl::Status Server::Start(std::vector<cm::Context*> contexts,
+                           const std::string& address, uint16_t port) {
+  if (contexts.empty() || contexts[0] == nullptr) {
+    return absl::InvalidArgumentError("rpc server start: no contexts");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!contexts_.empty()) {
+      return absl::FailedPreconditionError("rpc server already started");
+    }
+    if (shutting_down_) {
+      return absl::FailedPreconditionError("rpc server was shut down");
+    }
+    contexts_ = contexts;
+    started_ = true;
+  }
+  Reactor& r = contexts[0]->reactor();
+  auto create = [this, &address, port, ctx = contexts[0]]() {
+    return cm::Listener::Create(*ctx, address, port, options_.listener);
+  };
+  absl::StatusOr<std::unique_ptr<cm::Listener>> ln;
+  if (r.InLoopThread()) {
+    ln = create();
+  } else {
+    std::promise<absl::StatusOr<std::unique_ptr<cm::Listener>>> p;
+    auto f = p.get_future();
+    r.Post([&p, &create]() { p.set_value(create()); });
+    ln = f.get();
+  }
+  if (!ln.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_.clear();
+    return ln.status();
+  }
+  port_ = (*ln)->port();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++live_;  // the accept loop
+  }
+  r.Spawn(AcceptLoop(*std::move(ln)), accept_stop_.get_token());
+  return absl::OkStatus();
+}
+
+Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> listener) {
+  for (;;) {
+    auto req = co_await listener->Next();
+    if (!req.ok()) break;  // Cancelled by Shutdown, or the listener failed
+    if (options_.listener.admit) {
+      absl::Status ok = options_.listener.admit((*req)->peer());
+      if (!ok.ok()) {
+        (*req)->Reject(std::string(ok.message())).IgnoreError();
+        continue;
+      }
+    }
+    cm::Context* ctx = contexts_[next_ctx_++ % contexts_.size()];
+    std::shared_ptr<Conn> c = NewConn(ctx);
+    std::stop_token token = c->stop.get_token();
+    // Spawn is thread-safe: the task starts on ctx's reactor, where the
+    // request must be accepted.
+    ctx->reactor().Spawn(AcceptAndServe(std::move(c), *std::move(req)),
+                         std::move(token));
+  }
+  listener->Close();
+  listener.reset();
+  ConnGone();  // the accept loop's share of live_
+}
+
+Task<void> Server::AcceptAndServe(std::shared_ptr<Conn> c,
+                                  std::unique_ptr<cm::ConnectRequest> req) {
+  auto conn = co_await req->Accept(*c->ctx);
+  req.reset();
+  if (!conn.ok()) co_return;
+  c->conn = *std::move(conn);
+  co_await ServeLoop(std::move(c));
+}
+
+Task<void> Server::Serve(std::unique_ptr<cm::Connection> conn) {
+  std::shared_ptr<Conn> c = NewConn(&conn->context());
+  c->conn = std::move(conn);
+  // The loop runs with the connection's own stop token (Shutdown), plus the
+  // caller's.
+  Task<void> loop = ServeLoop(c);
+  std::stop_token caller = co_await CurrentStopToken();
+  std::optional<std::stop_callback<internal::StopForwarder>> link;
+  if (caller.stop_possible()) {
+    link.emplace(caller, internal::StopForwarder{&c->stop});
+  }
+  loop.SetStopToken(c->stop.get_token());
+  co_await std::move(loop);
+}
+
+Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
+  stats_.connections.fetch_add(1);
+  cm::Connection& conn = *c->conn;
+  cm::Handshake local = conn.LocalHandshake();
+  c->eager_max = local.recv_buffer_size;
+  c->max_held = std::max<uint32_t>(1, local.credits / 2);
+  uint64_t conn_max = conn.peer().handshake.max_message_size;
+  c->limits.max_payload = std::min<uint64_t>(
+      options_.max_request_size,
+      conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
+  absl::Status why;
+  for (;;) {
+    auto m = co_await conn.Recv();
+    if (!m.ok()) {
+      why = m.status();
+      break;
+    }
+    auto f = DecodeFrame(m->data(), Side::kServer, c->limits);
+    if (!f.ok()) {
+      stats_.protocol_errors.fetch_add(1);
+      // Answer the call whose id the header carries (when it can be read and
+      // is not a running call's), then the connection as a whole (id 0)
+      // so every other pending call learns why; then close this connection
+      // only: it cannot be trusted to stay in sync.
+      uint64_t id = 0;
+      auto peek = PeekHeader(m->data());
+      if (peek.ok()) id = peek->call_id;
+      why = absl::Status(f.status().code(),
+                         absl::StrCat("rpc server on ", conn.name(),
+                                      ": bad frame: ", f.status().message()));
+      if (id != 0 && !c->calls.contains(id)) {
+        (void)co_await Unstoppable(
+            WithTimeout(SendError(c, id, 0, why), absl::Seconds(2)));
+      }
+      (void)co_await Unstoppable(
+          WithTimeout(SendError(c, 0, 0, why), absl::Seconds(2)));
+      break;
+    }
+    const FrameHeader& h = f->header;
+    if (h.type == FrameType::kCancel) {
+      stats_.cancels_received.fetch_add(1);
+      auto it = c->calls.find(h.call_id);
+      // Unknown id: the call already finished (its response crossed the
+      // cancel on the wire) -- nothing to do.
+      if (it != c->calls.end() && !it->second->cancelled_by_peer) {
+        it->second->cancelled_by_peer = true;
+        it->second->stop.request_stop();
+      }
+      continue;
+    }
+    // A request.
+    if (c->calls.contains(h.call_id)) {
+      stats_.protocol_errors.fetch_add(1);
+      why = absl::InvalidArgumentError(absl::StrCat(
+          "rpc server on ", conn.name(), ": call id ", h.call_id,
+          " reused while that call is still running"));
+      (void)co_await Unstoppable(
+          WithTimeout(SendError(c, 0, 0, why), absl::Seconds(2)));
+      break;
+    }
+    auto mit = methods_.find(h.method_id);
+    if (mit == methods_.end()) {
+      stats_.unknown_method.fetch_add(1);
+      co_await SendError(
+          c, h.call_id, h.method_id,
+          absl::NotFoundError(absl::StrFormat(
+              "no method with id 0x%08x is registered on this server",
+              h.method_id)));
+      continue;
+    }
+    absl::Status admitted = co_await c->admission.Acquire();
+    if (!admitted.ok()) {
+      why = admitted;
+      break;
+    }
+    Request req;
+    req.method = mit->second->name;
+    req.method_id = h.method_id;
+    req.call_id = h.call_id;
+    req.peer = &conn.peer();
+    if (m->size() <= c->eager_max && c->held->load() >= c->max_held) {
+      stats_.copied_requests.fetch_add(1);
+      req.payload = Payload::Copy(f->payload);
+    } else if (m->size() <= c->eager_max) {
+      c->held->fetch_add(1);
+      req.payload = Payload(*std::move(m), kHeaderSize,
+                            std::make_shared<HeldLease>(HeldLease{c->held}));
+    } else {
+      req.payload = Payload(*std::move(m), kHeaderSize);
+    }
+    auto call = std::make_unique<Conn::Call>();
+    std::stop_token token = call->stop.get_token();
+    c->calls.emplace(h.call_id, std::move(call));
+    c->active.Add();
+    c->ctx->reactor().Spawn(
+        RunCall(c, h.call_id, mit->second.get(), std::move(req)),
+        std::move(token));
+  }
+  // The connection is done: stop every call, wait for them, close.
+  for (auto& [id, call] : c->calls) call->stop.request_stop();
+  // Handlers honour their stop token, so this ends.
+  (void)co_await Unstoppable(
+      [](WaitGroup* wg) -> Task<absl::Status> { co_return co_await wg->Wait(); }(
+          &c->active));
+  (void)co_await Unstoppable(conn.Close());
+  (void)why;
+}
+
+Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
+                           const Method* method, Request req) {
+  uint32_t method_id = req.method_id;
+  absl::Status slot = co_await c->running.Acquire();
+  bool stopped = !slot.ok();
+  absl::StatusOr<Payload> result = absl::CancelledError("not run");
+  if (!stopped) {
+    stats_.calls.fetch_add(1);
+    result = co_await method->handler(std::move(req));
+    c->running.Release();
+  }
+  auto it = c->calls.find(call_id);
+  bool cancelled = stopped || (it != c->calls.end() &&
+                               it->second->stop.stop_requested());
+  if (it != c->calls.end()) c->calls.erase(it);
+  if (cancelled) {
+    // The caller gave up (cancel frame) or the server is shutting down:
+    // nobody waits for this response.
+    stats_.cancelled_calls.fetch_add(1);
+  } else if (result.ok()) {
+    std::span<const std::byte> data = result->data();
+    uint64_t peer_max = c->conn->peer().handshake.max_message_size;
+    uint64_t limit = std::min<uint64_t>(
+        options_.max_response_size,
+        peer_max > kHeaderSize ? peer_max - kHeaderSize : 0);
+    if (data.size() > limit) {
+      co_await SendError(
+          c, call_id, method_id,
+          absl::ResourceExhaustedError(absl::StrCat(
+              "method ", method->name, " returned ", data.size(),
+              " bytes, the response limit is ", limit)));
+    } else {
+      HeaderBytes hdr = ResponseHeader(call_id, method_id,
+                                       static_cast<uint32_t>(data.size()));
+      std::span<const std::byte> parts[2] = {hdr, data};
+      // Failure means the connection is going down; its receive loop
+      // reports that.
+      (void)co_await c->conn->SendV(parts);
+    }
+  } else {
+    co_await SendError(c, call_id, method_id, result.status());
+  }
+  c->admission.Release();
+  c->active.Done();
+}
+
+Task<void> Server::SendError(std::shared_ptr<Conn> c, uint64_t call_id,
+                             uint32_t method_id, absl::Status status) {
+  std::string frame = EncodeError(call_id, method_id, status);
+  (void)co_await c->conn->Send(std::as_bytes(std::span(frame)));
+}
+
+bool Server::BeginShutdown() {
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return false;
+    shutting_down_ = true;
+    for (auto& w : conns_) {
+      if (auto c = w.lock()) conns.push_back(std::move(c));
+    }
+    conns_.clear();
+  }
+  accept_stop_.request_stop();
+  for (auto& c : conns) {
+    // On the connection's reactor: the stop callbacks then run there.
+    Reactor& r = c->ctx->reactor();
+    r.Post([c]() { c->stop.request_stop(); });
+  }
+  return true;  // the loops keep their own references
+}
+
+void Server::Shutdown() {
+  if (!BeginShutdown()) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return live_ == 0; });
+  shut_down_ = true;
+}
+
+Task<void> Server::ShutdownAsync() {
+  if (!BeginShutdown()) co_return;
+  Reactor* r = Reactor::Current();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (live_ == 0) {
+        shut_down_ = true;
+        co_return;
+      }
+    }
+    // Polled: the connections may end on other reactors.
+    (void)co_await Unstoppable(
+        [](Reactor* r) -> Task<absl::Status> {
+          co_return co_await r->Sleep(absl::Milliseconds(1));
+        }(r));
+  }
+}
+
+}  // namespace coverbs::rpc

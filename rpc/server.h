@@ -1,0 +1,170 @@
+// rpc::Server: methods registered by name, served over cm connections.
+//
+//   rpc::Server server;
+//   server.Register("Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {
+//     co_return std::move(r.payload);  // zero-copy echo
+//   });
+//   server.Start(contexts, "0.0.0.0", 7471);  // one cm::Context per reactor
+//   ...
+//   server.Shutdown();
+//
+// Contract (wire format and sequences: rpc/README.md):
+//  - Each request runs as its own coroutine on the reactor of its
+//    connection; responses go back as handlers finish (out of order).
+//  - A handler gets the request payload as a view of the connection's
+//    receive (or rendezvous) buffer. It must honour its ambient stop token:
+//    stop is requested when the client cancels the call (cancel frame, e.g.
+//    on deadline expiry) and on Shutdown; the response of a cancelled call
+//    is not sent.
+//  - A handler's error Status travels back to the caller with its code and
+//    message; an unknown method gets NOT_FOUND.
+//  - Per connection at most max_concurrent_calls handlers run; further
+//    requests queue (max_queued_calls), and beyond that the server stops
+//    reading the connection, so the connection's credits hold the client
+//    back: back-pressure, not failure.
+//  - A malformed, truncated or oversized frame is answered with an error
+//    frame (the call's id when it can be read, else id 0 = the connection)
+//    and closes that connection only.
+//  - Threads: handlers may run on any of the server's reactors at once; the
+//    handler object must be callable concurrently.
+#ifndef COVERBS_RPC_SERVER_H_
+#define COVERBS_RPC_SERVER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cm/connection.h"
+#include "cm/context.h"
+#include "cm/listener.h"
+#include "core/task.h"
+#include "rpc/payload.h"
+#include "rpc/wire.h"
+
+namespace coverbs::rpc {
+
+struct Request {
+  std::string_view method;  // the registered name (lives with the server)
+  uint32_t method_id = 0;
+  uint64_t call_id = 0;
+  const cm::PeerInfo* peer = nullptr;  // valid while the handler runs
+  Payload payload;
+  std::span<const std::byte> data() const { return payload.data(); }
+};
+
+using Handler = std::function<Task<absl::StatusOr<Payload>>(Request)>;
+
+struct ServerOptions {
+  // Handlers running at once on one connection.
+  size_t max_concurrent_calls = 128;
+  // Requests read and waiting for a handler slot, per connection. Beyond
+  // running + queued the server stops reading that connection.
+  size_t max_queued_calls = 128;
+  // Largest request payload accepted (also bounded by the connection's
+  // max_message_size minus the 32-byte frame header).
+  uint64_t max_request_size = (64ull << 20) - kHeaderSize;
+  // Largest response payload a handler may return; a larger one reaches
+  // the caller as RESOURCE_EXHAUSTED.
+  uint64_t max_response_size = (64ull << 20) - kHeaderSize;
+  // For Start(): the listener and the connections it accepts.
+  cm::ListenerOptions listener;
+};
+
+class Server {
+ public:
+  Server();
+  explicit Server(ServerOptions options);
+  // Shutdown() (so with a single reactor, await ShutdownAsync() first).
+  ~Server();
+  Server(const Server&) = delete;
+
+  // Before Start/Serve. AlreadyExists for a name registered twice or whose
+  // method id (rpc::MethodId) collides with another name's.
+  absl::Status Register(std::string_view name, Handler handler);
+
+  // Listens on contexts[0]'s reactor; accepted connections are spread
+  // round-robin over `contexts` (one per reactor of a ReactorPool, say) and
+  // served there. Callable from any thread (blocks until listening). The
+  // contexts must outlive Shutdown().
+  absl::Status Start(std::vector<cm::Context*> contexts,
+                     const std::string& address, uint16_t port);
+  uint16_t port() const { return port_; }
+
+  // Serves one established connection on its reactor until it closes (peer
+  // close, connection loss, protocol error or Shutdown), then closes it.
+  Task<void> Serve(std::unique_ptr<cm::Connection> conn);
+
+  // Stops listening, cancels every running handler, closes every
+  // connection and waits until all of them ended. Idempotent. Must not be
+  // called on one of the server's reactor threads (it waits for them), and
+  // before those reactors stop.
+  void Shutdown();
+  // The same from a coroutine, e.g. on the server's only reactor; polls
+  // (1 ms) until every connection ended.
+  Task<void> ShutdownAsync();
+
+  struct Stats {
+    uint64_t connections = 0;
+    uint64_t calls = 0;            // handlers started
+    uint64_t cancels_received = 0;
+    uint64_t cancelled_calls = 0;  // handlers stopped before responding
+    uint64_t unknown_method = 0;
+    uint64_t protocol_errors = 0;  // connections closed for a bad frame
+    uint64_t copied_requests = 0;  // payloads copied to free receive buffers
+  };
+  Stats stats() const;
+
+  struct Conn;  // internal, per connection
+
+ private:
+  struct Method {
+    std::string name;
+    Handler handler;
+  };
+  Task<void> AcceptLoop(std::unique_ptr<cm::Listener> listener);
+  Task<void> AcceptAndServe(std::shared_ptr<Conn> c,
+                            std::unique_ptr<cm::ConnectRequest> req);
+  Task<void> ServeLoop(std::shared_ptr<Conn> c);
+  Task<void> RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
+                     const Method* method, Request req);
+  Task<void> SendError(std::shared_ptr<Conn> c, uint64_t call_id,
+                       uint32_t method_id, absl::Status status);
+  std::shared_ptr<Conn> NewConn(cm::Context* ctx);
+  bool BeginShutdown();
+  void ConnGone();
+
+  ServerOptions options_;
+  absl::flat_hash_map<uint32_t, std::unique_ptr<Method>> methods_;
+  std::vector<cm::Context*> contexts_;
+  uint16_t port_ = 0;
+  size_t next_ctx_ = 0;  // acceptor's reactor only
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool started_ = false;
+  bool shutting_down_ = false;
+  bool shut_down_ = false;
+  size_t live_ = 0;  // connections + the accept loop
+  std::vector<std::weak_ptr<Conn>> conns_;
+  std::stop_source accept_stop_;  // Shutdown: ends the accept loop
+
+  struct AtomicStats {
+    std::atomic<uint64_t> connections{0}, calls{0}, cancels_received{0},
+        cancelled_calls{0}, unknown_method{0}, protocol_errors{0},
+        copied_requests{0};
+  };
+  AtomicStats stats_;
+};
+
+}  // namespace coverbs::rpc
+
+#endif  // COVERBS_RPC_SERVER_H_

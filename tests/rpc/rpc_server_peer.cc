@@ -1,0 +1,73 @@
+// The server process rpc_test's "server killed during calls" case forks,
+// execs and kills:
+//   rpc_server_peer <provider> <address> <fd>
+// Serves "Echo" and "Hang" (never answers; honours cancellation) on a port
+// it writes, as decimal text, to file descriptor <fd>, then waits to be
+// killed (at most 120 s).
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "cm/context.h"
+#include "core/reactor.h"
+#include "rpc/server.h"
+#include "transport/device.h"
+
+namespace {
+
+coverbs::Task<int> Main(coverbs::rpc::Server* server, coverbs::cm::Context* ctx,
+                        std::string addr, int fd) {
+  absl::Status s = server->Start({ctx}, addr, 0);
+  if (!s.ok()) {
+    std::fprintf(stderr, "rpc_server_peer: %s\n", s.ToString().c_str());
+    co_return 1;
+  }
+  std::string port = std::to_string(server->port()) + "\n";
+  if (write(fd, port.data(), port.size()) != static_cast<ssize_t>(port.size())) {
+    co_return 2;
+  }
+  close(fd);
+  (void)co_await coverbs::Reactor::Current()->Sleep(absl::Seconds(120));
+  co_await server->ShutdownAsync();
+  co_return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: rpc_server_peer <provider> <address> <fd>\n");
+    return 2;
+  }
+  auto r = coverbs::Reactor::Create();
+  if (!r.ok()) return 3;
+  coverbs::transport::ProviderOptions o;
+  o.kind = argv[1];
+  if (const char* dev = std::getenv("COVERBS_VM_DEV"); dev && o.kind == "verbs") {
+    o.device = dev;
+  }
+  auto d = coverbs::transport::Device::Open(o);
+  if (!d.ok()) return 4;
+  auto ctx = coverbs::cm::Context::Create(**r, **d);
+  if (!ctx.ok()) return 5;
+  coverbs::rpc::Server server;
+  absl::Status reg = server.Register(
+      "Echo", [](coverbs::rpc::Request req)
+                  -> coverbs::Task<absl::StatusOr<coverbs::rpc::Payload>> {
+        co_return std::move(req.payload);
+      });
+  if (!reg.ok()) return 6;
+  reg = server.Register(
+      "Hang", [](coverbs::rpc::Request)
+                  -> coverbs::Task<absl::StatusOr<coverbs::rpc::Payload>> {
+        absl::Status s =
+            co_await coverbs::Reactor::Current()->Sleep(absl::Seconds(120));
+        if (!s.ok()) co_return s;
+        co_return coverbs::rpc::Payload();
+      });
+  if (!reg.ok()) return 6;
+  return (*r)->BlockOn(
+      Main(&server, ctx->get(), argv[2], std::atoi(argv[3])));
+}
