@@ -18,7 +18,7 @@ PKGS=(
   libabsl-dev
   libgtest-dev libgmock-dev googletest
   libbenchmark-dev
-  clang-14 libclang-rt-14-dev  # the rpc wire decoder's libFuzzer target
+  clang libclang-rt-14-dev     # the rpc wire decoder's libFuzzer target
 )
 for arg in "$@"; do
   case "$arg" in
