@@ -445,46 +445,60 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   if (!sa.ok()) co_return Annotate(sa.status(), where);
   auto ch = ctx.cm_events();
   if (!ch.ok()) co_return Annotate(ch.status(), where);
-  auto id = CmId::Create(*ch);
-  if (!id.ok()) co_return Annotate(id.status(), where);
-  (*id)->set_destroy_in_background(true);
-  int ms = static_cast<int>(absl::ToInt64Milliseconds(o.resolve_timeout));
-  if (rdma_resolve_addr((*id)->id(), nullptr,
-                        reinterpret_cast<sockaddr*>(&*sa), std::max(ms, 1)) !=
-      0) {
-    co_return absl::UnavailableError(absl::StrCat(
-        where, ": address resolution failed: ", strerror(errno)));
-  }
-  auto ev = co_await Expect(**id, RDMA_CM_EVENT_ADDR_RESOLVED,
-                            o.resolve_timeout, where, "address resolution");
-  if (!ev.ok()) co_return ev.status();
-  if (rdma_resolve_route((*id)->id(), std::max(ms, 1)) != 0) {
-    co_return absl::UnavailableError(absl::StrCat(
-        where, ": route resolution failed: ", strerror(errno)));
-  }
-  ev = co_await Expect(**id, RDMA_CM_EVENT_ROUTE_RESOLVED, o.resolve_timeout,
-                       where, "route resolution");
-  if (!ev.ok()) co_return ev.status();
-  (*id)->set_destroy_in_background(false);
+  std::shared_ptr<CmId> id;
+  std::unique_ptr<Connection> conn;
   transport::QpInit init;
-  auto conn = NewVerbsConnection(ctx, *id, o.connection, true, &init);
-  if (!conn.ok()) co_return Annotate(conn.status(), where);
-  std::string pd;
-  if (!o.raw_private_data_for_test.empty()) {
-    pd = o.raw_private_data_for_test;
-  } else {
-    Handshake h = (*conn)->LocalHandshake();
-    h.app_data = o.app_data;
-    auto enc = EncodeHandshake(h);
-    if (!enc.ok()) co_return Annotate(enc.status(), where);
-    pd = *enc;
-  }
-  rdma_conn_param param = ConnParam(ctx, pd);
-  if (rdma_connect((*id)->id(), &param) != 0) {
+  absl::StatusOr<CmEvent> ev;
+  // siw: rdma_connect sometimes fails at once with EADDRNOTAVAIL (the
+  // active side's TCP port); a fresh id and QP then connect.
+  for (int attempt = 0;; ++attempt) {
+    conn.reset();  // the QP before the id it was created on
+    id.reset();
+    auto created = CmId::Create(*ch);
+    if (!created.ok()) co_return Annotate(created.status(), where);
+    id = *std::move(created);
+    id->set_destroy_in_background(true);
+    int ms = static_cast<int>(absl::ToInt64Milliseconds(o.resolve_timeout));
+    if (rdma_resolve_addr(id->id(), nullptr, reinterpret_cast<sockaddr*>(&*sa),
+                          std::max(ms, 1)) != 0) {
+      co_return absl::UnavailableError(absl::StrCat(
+          where, ": address resolution failed: ", strerror(errno)));
+    }
+    ev = co_await Expect(*id, RDMA_CM_EVENT_ADDR_RESOLVED, o.resolve_timeout,
+                         where, "address resolution");
+    if (!ev.ok()) co_return ev.status();
+    if (rdma_resolve_route(id->id(), std::max(ms, 1)) != 0) {
+      co_return absl::UnavailableError(absl::StrCat(
+          where, ": route resolution failed: ", strerror(errno)));
+    }
+    ev = co_await Expect(*id, RDMA_CM_EVENT_ROUTE_RESOLVED, o.resolve_timeout,
+                         where, "route resolution");
+    if (!ev.ok()) co_return ev.status();
+    id->set_destroy_in_background(false);
+    auto c = NewVerbsConnection(ctx, id, o.connection, true, &init);
+    if (!c.ok()) co_return Annotate(c.status(), where);
+    conn = *std::move(c);
+    std::string pd;
+    if (!o.raw_private_data_for_test.empty()) {
+      pd = o.raw_private_data_for_test;
+    } else {
+      Handshake h = conn->LocalHandshake();
+      h.app_data = o.app_data;
+      auto enc = EncodeHandshake(h);
+      if (!enc.ok()) co_return Annotate(enc.status(), where);
+      pd = *enc;
+    }
+    rdma_conn_param param = ConnParam(ctx, pd);
+    if (rdma_connect(id->id(), &param) == 0) break;
+    int err = errno;
+    if (err == EADDRNOTAVAIL && attempt < 3) {
+      co_await Reactor::Current()->Sleep(absl::Milliseconds(10 << attempt));
+      continue;
+    }
     co_return absl::UnavailableError(
-        absl::StrCat(where, ": rdma_connect failed: ", strerror(errno)));
+        absl::StrCat(where, ": rdma_connect failed: ", strerror(err)));
   }
-  ev = co_await Expect(**id, RDMA_CM_EVENT_ESTABLISHED, o.connect_timeout,
+  ev = co_await Expect(*id, RDMA_CM_EVENT_ESTABLISHED, o.connect_timeout,
                        where, "connecting");
   if (!ev.ok()) co_return ev.status();
   auto peer_h = DecodeHandshake(Bytes(ev->private_data));
@@ -492,16 +506,16 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     co_return Annotate(peer_h.status(),
                        absl::StrCat(where, ": the peer's handshake"));
   }
-  absl::Status s = transport::FinishEstablishedQp((*conn)->qp().provider(), init);
+  absl::Status s = transport::FinishEstablishedQp(conn->qp().provider(), init);
   if (!s.ok()) co_return Annotate(s, where);
-  (*id)->SetEstablished(absl::StrCat(ctx.device().name(), " -> ", ep));
+  id->SetEstablished(absl::StrCat(ctx.device().name(), " -> ", ep));
   PeerInfo peer;
   peer.address = address;
   peer.port = port;
   peer.handshake = *std::move(peer_h);
-  s = (*conn)->Start(std::move(peer), internal::MakeVerbsLink(*id));
+  s = conn->Start(std::move(peer), internal::MakeVerbsLink(id));
   if (!s.ok()) co_return s;
-  co_return std::move(*conn);
+  co_return std::move(conn);
 }
 
 }  // namespace
