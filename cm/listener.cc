@@ -449,8 +449,10 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   std::unique_ptr<Connection> conn;
   transport::QpInit init;
   absl::StatusOr<CmEvent> ev;
-  // siw: rdma_connect sometimes fails at once with EADDRNOTAVAIL (the
-  // active side's TCP port); a fresh id and QP then connect.
+  // siw: rdma_connect sometimes fails at once with EADDRNOTAVAIL or
+  // ECONNREFUSED although the listener is there (seen in CI runs); a fresh
+  // id and QP then connect. A port with no listener still fails after the
+  // retries (70 ms).
   for (int attempt = 0;; ++attempt) {
     conn.reset();  // the QP before the id it was created on
     id.reset();
@@ -491,7 +493,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     rdma_conn_param param = ConnParam(ctx, pd);
     if (rdma_connect(id->id(), &param) == 0) break;
     int err = errno;
-    if (err == EADDRNOTAVAIL && attempt < 3) {
+    if ((err == EADDRNOTAVAIL || err == ECONNREFUSED) && attempt < 3) {
       co_await Reactor::Current()->Sleep(absl::Milliseconds(10 << attempt));
       continue;
     }
