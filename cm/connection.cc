@@ -138,6 +138,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
+  // Posts `slot` again; on failure the connection is failed (false).
+  bool Repost(RecvSlot* slot);
 
  private:
   // Sends one small message (header + parts copied into a pooled buffer).
@@ -572,16 +574,21 @@ void ConnectionImpl::MaybeSendCredits() {
   SpawnInternal(SendCreditMessage());
 }
 
-void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
-  if (!status_.ok() || qp_->in_error()) return;  // the ring is finished
+bool ConnectionImpl::Repost(RecvSlot* slot) {
   LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
                 ring_->mr.lkey()};
   absl::Status s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
   if (!s.ok()) {
     Fail(absl::UnavailableError(
         absl::StrCat("connection lost: reposting a receive: ", s.message())));
-    return;
+    return false;
   }
+  return true;
+}
+
+void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
+  if (!status_.ok() || qp_->in_error()) return;  // the ring is finished
+  if (!Repost(slot)) return;
   ++to_return_;
   MaybeSendCredits();
 }
@@ -663,13 +670,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
   auto consume = [&] {
     // Internal messages give their slot back at once.
     ++to_return_;
-    LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
-                  ring_->mr.lkey()};
-    absl::Status s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
-    if (!s.ok()) {
-      Fail(absl::UnavailableError(absl::StrCat(
-          "connection lost: reposting a receive: ", s.message())));
-    }
+    Repost(slot);
   };
   switch (h.type) {
     case kData: {
@@ -687,14 +688,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
     case kCredit: {
       // Not a credit-bearing receive: repost without counting it.
       ++credit_msgs_seen_;
-      LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
-                    ring_->mr.lkey()};
-      absl::Status s =
-          qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
-      if (!s.ok()) {
-        Fail(absl::UnavailableError(absl::StrCat(
-            "connection lost: reposting a receive: ", s.message())));
-      }
+      Repost(slot);
       break;
     }
     case kHello:
@@ -1078,15 +1072,7 @@ Task<absl::Status> ConnectionImpl::Close() {
     (void)s;  // a peer that cannot take it is gone anyway
   }
   closing_ = true;
-  if (status_.ok()) {
-    status_ = absl::UnavailableError("closed locally");
-    if (!qp_->in_error()) qp_->SetError("closed").IgnoreError();
-    may_send_.Set();
-    credits_.Release(1 << 24);
-    ready_count_.Release(1 << 24);
-    for (PendingRts* pr : pending_rts_) pr->cts.Set();
-    pending_rts_.clear();
-  }
+  Fail(absl::UnavailableError("closed locally"));  // no-op if already down
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();

@@ -265,6 +265,16 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
+// The connecting side's private data: its handshake with the application's
+// bytes (or, in tests, raw bytes standing in for it).
+absl::StatusOr<std::string> PrivateData(const Connection& conn,
+                                        const ConnectOptions& o) {
+  if (!o.raw_private_data_for_test.empty()) return o.raw_private_data_for_test;
+  Handshake h = conn.LocalHandshake();
+  h.app_data = o.app_data;
+  return EncodeHandshake(h);
+}
+
 Task<absl::StatusOr<std::unique_ptr<Connection>>> SoftConnect(
     Context& ctx, std::unique_ptr<ConnectArgs> args) {
   const std::string& address = args->address;
@@ -299,17 +309,9 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> SoftConnect(
   }
   auto conn = NewSoftConnection(ctx, o.connection, /*active=*/true);
   if (!conn.ok()) co_return Annotate(conn.status(), where);
-  std::string pd;
-  if (!o.raw_private_data_for_test.empty()) {
-    pd = o.raw_private_data_for_test;
-  } else {
-    Handshake h = (*conn)->LocalHandshake();
-    h.app_data = o.app_data;
-    auto enc = EncodeHandshake(h);
-    if (!enc.ok()) co_return Annotate(enc.status(), where);
-    pd = *enc;
-  }
-  s = co_await WriteAll(fd.get(), Frame(kFrameRequest, pd), deadline);
+  auto pd = PrivateData(**conn, o);
+  if (!pd.ok()) co_return Annotate(pd.status(), where);
+  s = co_await WriteAll(fd.get(), Frame(kFrameRequest, *pd), deadline);
   if (!s.ok()) co_return Annotate(s, absl::StrCat(where, ": sending the request"));
   auto reply = co_await ReadFrame(fd.get(), deadline);
   if (!reply.ok()) {
@@ -480,17 +482,9 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     auto c = NewVerbsConnection(ctx, id, o.connection, true, &init);
     if (!c.ok()) co_return Annotate(c.status(), where);
     conn = *std::move(c);
-    std::string pd;
-    if (!o.raw_private_data_for_test.empty()) {
-      pd = o.raw_private_data_for_test;
-    } else {
-      Handshake h = conn->LocalHandshake();
-      h.app_data = o.app_data;
-      auto enc = EncodeHandshake(h);
-      if (!enc.ok()) co_return Annotate(enc.status(), where);
-      pd = *enc;
-    }
-    rdma_conn_param param = ConnParam(ctx, pd);
+    auto pd = PrivateData(*conn, o);
+    if (!pd.ok()) co_return Annotate(pd.status(), where);
+    rdma_conn_param param = ConnParam(ctx, *pd);
     if (rdma_connect(id->id(), &param) == 0) break;
     int err = errno;
     if ((err == EADDRNOTAVAIL || err == ECONNREFUSED) && attempt < 3) {
