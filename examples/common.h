@@ -1,0 +1,70 @@
+// Helpers shared by the example programs: opening the provider the flags
+// name, one cm::Context per reactor of a ReactorPool, signal handling, and
+// latency percentiles. Examples only; not part of the library's API.
+#ifndef COVERBS_EXAMPLES_COMMON_H_
+#define COVERBS_EXAMPLES_COMMON_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cm/context.h"
+#include "core/reactor.h"
+#include "core/reactor_pool.h"
+#include "transport/device.h"
+
+namespace coverbs::examples {
+
+// provider: "auto" | "verbs" | "soft"; device: verbs device name or "".
+absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
+    const std::string& provider, const std::string& device);
+
+// A ReactorPool with one cm::Context per reactor, created and destroyed on
+// that reactor's thread (a Context is single-threaded).
+class ContextPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<ContextPool>> Create(
+      transport::Device& device, size_t threads, PollMode poll_mode);
+  // Destroys the contexts on their threads, then stops the reactors. Every
+  // connection on them must be gone (Server::Shutdown) first.
+  ~ContextPool();
+
+  std::vector<cm::Context*> contexts() const;
+  ReactorPool& pool() { return *pool_; }
+
+ private:
+  ContextPool() = default;
+  std::unique_ptr<ReactorPool> pool_;
+  std::vector<std::unique_ptr<cm::Context>> contexts_;
+};
+
+// Blocks SIGINT and SIGTERM in the calling thread and in every thread it
+// creates afterwards, so that WaitForSignal can take them synchronously.
+// Call first thing in main().
+void BlockTerminationSignals();
+// Waits for SIGINT/SIGTERM for at most `limit`; returns the signal number,
+// or 0 when the time ran out.
+int WaitForSignal(absl::Duration limit);
+
+// The p-quantile (0..1) of `sorted` (nearest rank); 0 when empty.
+int64_t Percentile(const std::vector<int64_t>& sorted, double p);
+
+// The byte the examples put at `index` of a payload tagged `tag`; the
+// receiver of an echo checks every byte against it.
+inline std::byte PatternByte(uint64_t tag, size_t index) {
+  return static_cast<std::byte>((tag * 0x9E3779B1u + index * 131 + (index >> 9)) & 0xff);
+}
+void FillPattern(std::span<std::byte> out, uint64_t tag);
+// Index of the first byte that differs from the pattern, or -1.
+int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag);
+
+// "auto" provider resolved: "soft" or "verbs (rxe0)".
+std::string DescribeDevice(const transport::Device& d);
+
+}  // namespace coverbs::examples
+
+#endif  // COVERBS_EXAMPLES_COMMON_H_

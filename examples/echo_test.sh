@@ -1,0 +1,34 @@
+#!/bin/bash
+# End-to-end test of the echo example as two processes (echo_demo starts
+# echo_server, runs echo_client, stops the server). echo_client verifies
+# every echoed byte and exits non-zero on any error or mismatch; this script
+# also checks the table it prints.
+#   echo_test.sh <echo_demo> <echo_server> <echo_client>
+set -u
+demo="$1"
+export ECHO_SERVER_BIN="$2" ECHO_CLIENT_BIN="$3"
+out="${TEST_TMPDIR:-/tmp}/echo_out.txt"
+fail() { echo "FAIL: $*"; cat "$out"; exit 1; }
+
+# Sizes around the RPC eager limit (8 KiB connection threshold - 32-byte
+# frame header = 8160), 1 MiB and 16 MiB by rendezvous.
+"$demo" --sizes=0,1,8159,8160,8161,1048576,16777216 --calls=24 --concurrency=4 \
+  >"$out" 2>&1 || fail "echo sweep exited $?"
+for size in 0 1 8159 8160 8161 1048576 16777216; do
+  # size, calls = 24, errors = 0
+  grep -Eq "^ +$size +24 +0 " "$out" || fail "no clean row for size $size"
+done
+grep -q "verify on" "$out" || fail "verification was not on"
+grep -q "served 168 call(s)" "$out" || fail "server did not report 168 calls"
+
+# 10,000 pipelined calls, 256 in flight, over two connections.
+"$demo" --size=64 --calls=10000 --concurrency=256 --connections=2 \
+  >"$out" 2>&1 || fail "pipelined run exited $?"
+grep -Eq "^ +64 +10000 +0 " "$out" || fail "no clean row for 10000 pipelined calls"
+
+# No server: a clear error and exit status 1, at once.
+if "$ECHO_CLIENT_BIN" --port=1 --calls=1 >"$out" 2>&1; then
+  fail "echo_client succeeded without a server"
+fi
+grep -q "connecting to 127.0.0.1:1" "$out" || fail "no connect error named"
+echo "PASS"
