@@ -74,13 +74,17 @@ struct RecvRing {
 
 // A rendezvous receive buffer. Registered for REMOTE_WRITE only while its
 // transfer runs; the Message then owns plain memory.
+// The memory comes from (and returns to) the Context's LargeMemoryCache;
+// deregistering first guarantees the NIC no longer touches it.
 struct LargeBuffer final : MessageBuffer {
   std::byte* mem = nullptr;
   size_t size = 0;
   MemoryRegion mr;
+  std::shared_ptr<LargeMemoryCache> cache;
+  size_t capacity = 0;
   ~LargeBuffer() {
     mr.Deregister();
-    std::free(mem);
+    cache->Put({mem, capacity});
   }
   void Release() override { delete this; }
 };
@@ -709,8 +713,10 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       ++stats_.rendezvous_received;
       auto* lb = new LargeBuffer();
       lb->size = h.length;
-      lb->mem = static_cast<std::byte*>(
-          std::aligned_alloc(4096, (h.length + 4095) & ~size_t{4095}));
+      lb->cache = ctx_.shared().large_memory;
+      LargeMemoryCache::Block block = lb->cache->Get(h.length);
+      lb->mem = block.mem;
+      lb->capacity = block.capacity;
       std::vector<std::byte> cts(kCtsSize);
       uint16_t flags = 0;
       absl::Status reg;

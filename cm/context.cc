@@ -30,6 +30,8 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
   ctx->cq_ = std::move(*cq);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
   ctx->shared_ = std::make_unique<Shared>();
+  ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
+      options.rendezvous_cache_bytes);
   return ctx;
 }
 

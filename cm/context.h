@@ -38,6 +38,10 @@ struct ContextOptions {
   // for it (ConnectionOptions::use_srq). 0 = no SRQ.
   uint32_t srq_depth = 0;
   uint32_t srq_buffer_size = 8192 + 64;
+  // Rendezvous receive memory kept mapped for reuse after its message is
+  // gone, so large transfers do not fault in fresh pages (each transfer
+  // still registers its own rkey). 0 = allocate and free per transfer.
+  size_t rendezvous_cache_bytes = 64ull << 20;
 };
 
 class Context {

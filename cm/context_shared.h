@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "cm/context.h"
+#include "cm/large_memory_cache.h"
 #include "transport/memory.h"
 
 namespace coverbs::cm {
@@ -18,6 +19,9 @@ struct Context::Shared {
   uint64_t next_connection_id = 1;
   // Registered send buffers, by buffer size, shared by the connections.
   std::map<size_t, std::unique_ptr<transport::BufferPool>> send_pools;
+  // Rendezvous receive memory (a Message holding some may outlive the
+  // Context, hence shared).
+  std::shared_ptr<internal::LargeMemoryCache> large_memory;
 };
 
 }  // namespace coverbs::cm

@@ -1,0 +1,55 @@
+#include "cm/large_memory_cache.h"
+
+#include <bit>
+#include <cstdlib>
+
+namespace coverbs::cm::internal {
+
+LargeMemoryCache::LargeMemoryCache(size_t max_idle_bytes)
+    : max_idle_bytes_(max_idle_bytes) {}
+
+LargeMemoryCache::~LargeMemoryCache() {
+  for (auto& list : free_) {
+    for (std::byte* p : list) std::free(p);
+  }
+}
+
+int LargeMemoryCache::ClassOf(size_t size) {
+  if (size <= (size_t{1} << kMinShift)) return 0;
+  return static_cast<int>(std::bit_width(size - 1)) - kMinShift;
+}
+
+LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
+  const int c = ClassOf(size);
+  const size_t capacity = size_t{1} << (c + kMinShift);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!free_[c].empty()) {
+      std::byte* p = free_[c].back();
+      free_[c].pop_back();
+      idle_bytes_ -= capacity;
+      return {p, capacity};
+    }
+  }
+  return {static_cast<std::byte*>(std::aligned_alloc(4096, capacity)), capacity};
+}
+
+void LargeMemoryCache::Put(Block b) {
+  if (b.mem == nullptr) return;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (idle_bytes_ + b.capacity <= max_idle_bytes_) {
+      free_[ClassOf(b.capacity)].push_back(b.mem);
+      idle_bytes_ += b.capacity;
+      return;
+    }
+  }
+  std::free(b.mem);
+}
+
+size_t LargeMemoryCache::idle_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return idle_bytes_;
+}
+
+}  // namespace coverbs::cm::internal

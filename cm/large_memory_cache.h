@@ -1,0 +1,56 @@
+// Internal: page-aligned memory for rendezvous receive buffers, kept after
+// use so that the next transfer of a similar size lands in pages that are
+// already mapped.
+//
+// Why: a fresh 1 MiB allocation is an mmap whose 256 pages fault in while
+// the NIC (or the soft provider's progress thread) writes them, and free()
+// unmaps them again; measured on the soft provider, page faults were most
+// of the CPU time of a 1 MiB echo. Only the memory is cached: each transfer
+// still registers its buffer and deregisters it when the transfer ends, so
+// an rkey stays valid for exactly one transfer.
+//
+// Thread-safe (a Message, which owns its buffer, may be destroyed on any
+// thread). Shared by the connections of a Context; outlives them through
+// shared_ptr because a Message may outlive its Connection and Context.
+#ifndef COVERBS_CM_LARGE_MEMORY_CACHE_H_
+#define COVERBS_CM_LARGE_MEMORY_CACHE_H_
+
+#include <cstddef>
+#include <mutex>
+#include <vector>
+
+namespace coverbs::cm::internal {
+
+class LargeMemoryCache {
+ public:
+  struct Block {
+    std::byte* mem = nullptr;  // nullptr: out of memory
+    size_t capacity = 0;
+  };
+
+  // Keeps at most max_idle_bytes of unused blocks; beyond that, Put frees.
+  explicit LargeMemoryCache(size_t max_idle_bytes);
+  ~LargeMemoryCache();
+  LargeMemoryCache(const LargeMemoryCache&) = delete;
+
+  // A block of at least `size` bytes (capacity: size rounded up to a power
+  // of two, at least 4 KiB), cached if one is idle.
+  Block Get(size_t size);
+  void Put(Block b);
+
+  size_t idle_bytes() const;
+
+ private:
+  static int ClassOf(size_t size);
+  static constexpr int kMinShift = 12;
+  static constexpr int kClasses = 64 - kMinShift;
+
+  const size_t max_idle_bytes_;
+  mutable std::mutex mu_;
+  size_t idle_bytes_ = 0;
+  std::vector<std::byte*> free_[kClasses];
+};
+
+}  // namespace coverbs::cm::internal
+
+#endif  // COVERBS_CM_LARGE_MEMORY_CACHE_H_
