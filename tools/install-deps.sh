@@ -19,6 +19,7 @@ PKGS=(
   libgtest-dev libgmock-dev googletest
   libbenchmark-dev
   clang libclang-rt-14-dev     # the rpc wire decoder's libFuzzer target
+  python3            # coverbs_bench_test checks the JSON output
 )
 for arg in "$@"; do
   case "$arg" in
