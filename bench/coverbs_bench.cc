@@ -383,7 +383,9 @@ class Server {
         if (p.verify && (m->size() != p.size || FirstMismatch(m->data(), i) >= 0)) {
           Mismatch(rep, absl::StrFormat("ping %d differs", i));
         }
-        std::memcpy(mem.data(), m->data().data(), std::min<size_t>(m->size(), p.size));
+        if (size_t n = std::min<size_t>(m->size(), p.size); n > 0) {
+          std::memcpy(mem.data(), m->data().data(), n);
+        }
         m = absl::CancelledError("");  // give the receive buffer back first
         absl::Status s = co_await conn->Send(lb);
         if (!s.ok()) co_return s;

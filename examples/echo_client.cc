@@ -86,7 +86,7 @@ Task<void> Caller(Run* run, rpc::Client* client, int worker) {
   while (true) {
     int64_t i = run->next.fetch_add(1);
     if (i >= run->calls) break;
-    std::memcpy(request.data(), &i, std::min(sizeof(i), request.size()));
+    if (!request.empty()) std::memcpy(request.data(), &i, std::min(sizeof(i), request.size()));
     rpc::CallOptions options;
     options.deadline = absl::Now() + run->deadline;
     auto t0 = std::chrono::steady_clock::now();
