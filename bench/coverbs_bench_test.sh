@@ -17,7 +17,9 @@ python3 - "$tmp/r.json" <<'PY' || fail "JSON check"
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["tool"] == "coverbs_bench" and d["mode"] == "loopback", d
-assert d["provider"] in ("soft",) or d["provider"].startswith("verbs"), d["provider"]
+import os
+want = "verbs" if os.environ.get("COVERBS_PROVIDER") == "verbs" else "soft"
+assert d["provider"].startswith(want), (d["provider"], want)
 rs = d["results"]
 tests = {r["test"] for r in rs}
 assert tests == {"send_bw", "write_bw", "read_bw", "send_lat", "rpc_rate", "rpc_lat"}, tests
@@ -46,7 +48,7 @@ grep -q "^send_bw " "$tmp/out" && grep -q "^rpc_lat " "$tmp/out" || fail "table 
 
 # 2. Server and client as two processes.
 # Port 0: the server picks free ports and prints them.
-"$bench" --server --port=0 --rpc_port=0 >"$tmp/server.out" 2>&1 &
+"$bench" --server --address="${COVERBS_VM_ADDR_A:-127.0.0.1}" --port=0 --rpc_port=0 >"$tmp/server.out" 2>&1 &
 spid=$!
 for _ in $(seq 1 100); do
   grep -q "cm port" "$tmp/server.out" && break
@@ -57,7 +59,7 @@ port=$(sed -n 's/.*cm port \([0-9]*\), rpc port \([0-9]*\).*/\1 \2/p' "$tmp/serv
 set -- $port
 cm_port=$1
 rpc_port=$2
-"$bench" --client=127.0.0.1 --port="$cm_port" --rpc_port="$rpc_port" --test=send_bw,read_bw,rpc_rate --sizes=2..16 \
+"$bench" --client="${COVERBS_VM_ADDR_A:-127.0.0.1}" --port="$cm_port" --rpc_port="$rpc_port" --test=send_bw,read_bw,rpc_rate --sizes=2..16 \
     --iters=20 --verify --progress=off --json="$tmp/c.json" >"$tmp/out" 2>&1 \
   || { kill $spid; fail "client run exited $?"; }
 python3 -c "

@@ -20,7 +20,7 @@ find_bin() {
 }
 server="${ECHO_SERVER_BIN:-$(find_bin echo_server)}"
 client="${ECHO_CLIENT_BIN:-$(find_bin echo_client)}"
-addr="${ECHO_ADDRESS:-127.0.0.1}"
+addr="${ECHO_ADDRESS:-${COVERBS_VM_ADDR_A:-127.0.0.1}}"
 if [ $# -eq 0 ]; then
   set -- --sizes=0,64,4096,65536,1048576 --calls=2000 --concurrency=16
 fi

@@ -27,8 +27,9 @@ grep -q "served 168 call(s)" "$out" || fail "server did not report 168 calls"
 grep -Eq "^ +64 +10000 +0 " "$out" || fail "no clean row for 10000 pipelined calls"
 
 # No server: a clear error and exit status 1, at once.
-if "$ECHO_CLIENT_BIN" --port=1 --calls=1 >"$out" 2>&1; then
+addr="${COVERBS_VM_ADDR_A:-127.0.0.1}"
+if "$ECHO_CLIENT_BIN" --server="$addr" --port=1 --calls=1 >"$out" 2>&1; then
   fail "echo_client succeeded without a server"
 fi
-grep -q "connecting to 127.0.0.1:1" "$out" || fail "no connect error named"
+grep -q "connecting to $addr:1" "$out" || fail "no connect error named"
 echo "PASS"
