@@ -20,7 +20,8 @@ absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
 }
 
 absl::StatusOr<std::unique_ptr<ContextPool>> ContextPool::Create(
-    transport::Device& device, size_t threads, PollMode poll_mode) {
+    transport::Device& device, size_t threads, PollMode poll_mode,
+    transport::ProtectionDomain* pd) {
   ReactorOptions ro;
   ro.poll_mode = poll_mode;
   auto pool = ReactorPool::Create(threads, ro);
@@ -31,8 +32,10 @@ absl::StatusOr<std::unique_ptr<ContextPool>> ContextPool::Create(
     std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
     auto f = p.get_future();
     ReactorPool* rp = cp->pool_.get();
-    rp->Post(i, [&p, &device, rp, i]() {
-      p.set_value(cm::Context::Create(rp->reactor(i), device));
+    rp->Post(i, [&p, &device, rp, i, pd]() {
+      cm::ContextOptions o;
+      o.pd = pd;
+      p.set_value(cm::Context::Create(rp->reactor(i), device, o));
     });
     auto ctx = f.get();
     if (!ctx.ok()) return ctx.status();  // ~ContextPool cleans up the rest

@@ -27,8 +27,11 @@ absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
 // that reactor's thread (a Context is single-threaded).
 class ContextPool {
  public:
+  // `pd`, if given, is shared by every context (so one MemoryRegion serves
+  // the connections of all reactors); it must outlive the pool.
   static absl::StatusOr<std::unique_ptr<ContextPool>> Create(
-      transport::Device& device, size_t threads, PollMode poll_mode);
+      transport::Device& device, size_t threads, PollMode poll_mode,
+      transport::ProtectionDomain* pd = nullptr);
   // Destroys the contexts on their threads, then stops the reactors. Every
   // connection on them must be gone (Server::Shutdown) first.
   ~ContextPool();

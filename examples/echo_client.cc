@@ -124,6 +124,8 @@ Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
   for (int c = 0; c < absl::GetFlag(FLAGS_connections); ++c) {
     auto client = co_await rpc::Client::Connect(*ctx, server, port);
     if (!client.ok()) {
+      // Connections must be gone before the Context: close the others.
+      for (auto& c : clients) (void)co_await c->Close();
       co_return absl::UnavailableError(absl::StrCat("connecting to ", server, ":", port,
                                                     ": ", client.status().ToString()));
     }
