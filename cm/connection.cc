@@ -492,6 +492,13 @@ Task<absl::Status> ConnectionImpl::SendSmall(
     if (!p.empty()) std::memcpy(d + off, p.data(), p.size());
     off += p.size();
   }
+  // A payload that fits inline goes inline even when the caller registered
+  // it: one SGE copied at post time beats a second SGE the NIC must fetch.
+  if (zero_copy != nullptr && off + zero_copy->length <= qp_->max_inline_data()) {
+    if (zero_copy->length > 0) std::memcpy(d + off, zero_copy->addr, zero_copy->length);
+    off += zero_copy->length;
+    zero_copy = nullptr;
+  }
   LocalBuffer sg[2] = {buf->Local(off), {}};
   size_t n = 1;
   if (zero_copy != nullptr) sg[n++] = *zero_copy;
