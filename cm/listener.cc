@@ -452,9 +452,10 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   transport::QpInit init;
   absl::StatusOr<CmEvent> ev;
   // siw: rdma_connect sometimes fails at once with EADDRNOTAVAIL or
-  // ECONNREFUSED although the listener is there (seen in CI runs); a fresh
-  // id and QP then connect. A port with no listener still fails after the
-  // retries (70 ms).
+  // ECONNREFUSED although the listener is there (seen in CI runs, and again
+  // after 3 quick retries right after a test whose Close hit its bound); a
+  // fresh id and QP then connect. A port with no listener still fails after
+  // the retries (10 + 20 + ... + 320 ms = 630 ms).
   for (int attempt = 0;; ++attempt) {
     conn.reset();  // the QP before the id it was created on
     id.reset();
@@ -487,7 +488,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     rdma_conn_param param = ConnParam(ctx, *pd);
     if (rdma_connect(id->id(), &param) == 0) break;
     int err = errno;
-    if ((err == EADDRNOTAVAIL || err == ECONNREFUSED) && attempt < 3) {
+    if ((err == EADDRNOTAVAIL || err == ECONNREFUSED) && attempt < 6) {
       co_await Reactor::Current()->Sleep(absl::Milliseconds(10 << attempt));
       continue;
     }
