@@ -67,6 +67,9 @@ ABSL_FLAG(std::string, sizes, "65536",
           "Message sizes: a list (64,4K,1M; K/M/G binary) and/or power-of-two ranges "
           "(2..8M).");
 ABSL_FLAG(int64_t, iters, 1000, "Operations per connection for each test and size.");
+ABSL_FLAG(int64_t, warmup, 100,
+          "Untimed operations per connection before each test and size (first-touch "
+          "page faults, lazy binding and cold caches stay out of the figures).");
 ABSL_FLAG(absl::Duration, duration, absl::ZeroDuration(),
           "If set, repeat --iters batches for each test and size until this much time "
           "has passed (perftest -D).");
@@ -990,13 +993,30 @@ int RunClient(Side* side, const std::string& address, uint16_t port, uint16_t rp
       }
       RunSpec spec{test, size, static_cast<uint64_t>(iters), depth,
                    absl::GetFlag(FLAGS_verify), corrupt, {}};
+      const std::string label = absl::StrCat(TestName(test), " ", size);
+      if (const int64_t warm = absl::GetFlag(FLAGS_warmup); warm > 0) {
+        RunSpec w = spec;
+        w.iters = warm;
+        w.corrupt_message = -1;
+        std::vector<ConnRun> discard;
+        if (!client.RunBatch(w, &discard, false, label + " (warm-up)")) {
+          std::fprintf(stderr, "coverbs_bench: %s: warm-up did not finish\n", label.c_str());
+          return 1;
+        }
+        for (const ConnRun& c : discard) {
+          if (c.errors + c.mismatches > 0) {
+            std::fprintf(stderr, "coverbs_bench: %s: warm-up failed: %s\n", label.c_str(),
+                         c.first_error.c_str());
+            return 1;
+          }
+        }
+      }
       double srv0 = 0, srv1 = 0;
       absl::Status cs = client.ServerCpu(kOpCpuBegin, &srv0);
       const double cli0 = PoolCpuBlocking(*side->pool);
       std::vector<ConnRun> runs;
       double wall = 0;
       const auto deadline = Clock::now() + absl::ToChronoNanoseconds(absl::GetFlag(FLAGS_duration));
-      const std::string label = absl::StrCat(TestName(test), " ", size);
       bool ok = true;
       do {
         size_t first = runs.size();
