@@ -58,9 +58,52 @@ preflight() {
         unavailable "initramfs is stale (tests/vm/initramfs-init.sh changed): rerun tests/vm/setup.sh"
 }
 
+# KVM only where a guest really boots on it. Nested under another hypervisor
+# (seen on an AMD EPYC VM with qemu 7.2) `-cpu host` aborts at vCPU reset with
+# "failed to set MSR 0x10a", and without that MSR the guest spins and never
+# prints a line. So: boot the kernel with no root (it panics at once) and look
+# for its banner. The answer is kept per host boot in the cache dir; --check
+# (run outside any sandbox, where that dir is writable) finds it out first.
+kvm_cpu() {
+    local cache="$BASE/kvm-probe.$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)"
+    if [ -f "$cache" ]; then
+        read -r ans < "$cache"
+        [ "$ans" = no ] && return 1
+        echo "$ans"; return 0
+    fi
+    local cpu log ans=no
+    log=$(mktemp) || return 1
+    for cpu in host host,-arch-capabilities; do
+        : > "$log"
+        timeout 10 "$QEMU" -nodefaults -no-user-config -accel kvm -cpu "$cpu" \
+            -machine pc -smp 1 -m 256 -display none -no-reboot \
+            -kernel "$COVERBS_VM_KERNEL" -append "console=ttyS0 panic=-1" \
+            -serial "file:$log" </dev/null >/dev/null 2>&1
+        if grep -q "Linux version" "$log"; then ans=$cpu; break; fi
+    done
+    rm -f "$log"
+    echo "$ans" > "$cache" 2>/dev/null
+    [ "$ans" = no ] && return 1
+    echo "$ans"
+}
+select_accel() {
+    TCG=(-accel "tcg,thread=${VM_TCG_THREAD:-multi}" -cpu max)
+    case ${VM_ACCEL:-auto} in
+        kvm) cpu=$(kvm_cpu) || { echo "run-in-vm: VM_ACCEL=kvm but a guest does not boot on KVM here" >&2; exit 125; }
+             ACCEL=(-accel kvm -cpu "$cpu") ;;
+        tcg) ACCEL=("${TCG[@]}") ;;
+        *) ACCEL=("${TCG[@]}")
+           if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
+               if cpu=$(kvm_cpu); then ACCEL=(-accel kvm -cpu "$cpu")
+               else echo "run-in-vm: /dev/kvm is there but a guest does not boot on it; using TCG" >&2; fi
+           fi ;;
+    esac
+}
+
 if [ "${1:-}" = --check ]; then
     preflight
-    echo "run-in-vm: ready: $QEMU, kernel $COVERBS_VM_KVER, $COVERBS_VM_INITRD"
+    select_accel
+    echo "run-in-vm: ready: $QEMU (${ACCEL[*]}), kernel $COVERBS_VM_KVER, $COVERBS_VM_INITRD"
     exit 0
 fi
 [ $# -ge 1 ] || { echo "usage: $0 [--check] <command> [args...]" >&2; exit 2; }
@@ -71,13 +114,7 @@ case ${VM_NETDEV:=dummy} in dummy|veth|lo) ;; *) echo "run-in-vm: VM_NETDEV must
 export VM_RDMA VM_NETDEV
 
 SMP=${VM_SMP:-2} MEM=${VM_MEM:-4G} TIMEOUT=${VM_TIMEOUT:-1800}
-case ${VM_ACCEL:-auto} in
-    kvm) ACCEL=(-accel kvm -cpu host) ;;
-    tcg) ACCEL=(-accel "tcg,thread=${VM_TCG_THREAD:-multi}" -cpu max) ;;
-    *) if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then ACCEL=(-accel kvm -cpu host)
-       else ACCEL=(-accel "tcg,thread=${VM_TCG_THREAD:-multi}" -cpu max); fi ;;
-esac
-
+select_accel
 # ---------------------------------------------------------------- run dir
 # Per-boot directory, shared writable with the guest. Under TMPDIR (else Bazel's
 # TEST_TMPDIR): in a Bazel sandbox those are writable, the cache dir is not.
@@ -189,6 +226,6 @@ if [ -n "${VM_LOGDIR:-}" ]; then
         for f in console.log dmesg.txt rdma-setup.log; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$VM_LOGDIR/"; done
 fi
 [ "${VM_QUIET:-0}" = 1 ] ||
-    printf 'run-in-vm: exit %s, host wall %.1fs; guest uptime: stage2 %ss, command start %ss, end %ss\n' \
-        "$rc" "$(awk "BEGIN { print $t1 - $t0 }")" "$(up stage2)" "$(up cmd)" "$(up end)" >&2
+    printf 'run-in-vm: exit %s, host wall %.1fs (%s); guest uptime: stage2 %ss, command start %ss, end %ss\n' \
+        "$rc" "$(awk "BEGIN { print $t1 - $t0 }")" "${ACCEL[*]}" "$(up stage2)" "$(up cmd)" "$(up end)" >&2
 exit "$rc"
