@@ -38,6 +38,16 @@ class IntrusiveList {
     ++size_;
   }
   T* front() { return empty() ? nullptr : static_cast<T*>(head_.next); }
+  // O(n): whether `pred` holds for some element (e.g. to check a pointer
+  // that may be stale against what the list holds, without dereferencing
+  // it).
+  template <typename Pred>
+  bool AnyOf(Pred pred) const {
+    for (const ListNode<T>* n = head_.next; n != &head_; n = n->next) {
+      if (pred(static_cast<const T*>(n))) return true;
+    }
+    return false;
+  }
   T* pop_front() {
     T* t = front();
     if (t) erase(t);

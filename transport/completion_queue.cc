@@ -102,7 +102,21 @@ int CompletionQueue::Poll() {
   if (n <= 0) return 0;
   completions_ += n;
   for (int i = 0; i < n; ++i) {
-    WorkRequest::FromWrId(wc[i].wr_id)->OnCompletion(wc[i]);
+    WorkRequest* wr = WorkRequest::FromWrId(wc[i].wr_id);
+    if (wc[i].status != IBV_WC_SUCCESS) {
+      auto it = owners_.find(wc[i].qp_num);
+      if (it != owners_.end() && !it->second->HasPosted(wr, wc[i])) {
+        ++stray_;
+        std::fprintf(stderr,
+                     "coverbs: QP 0x%x on %s: a %s completion for a work "
+                     "request it does not have posted (already completed: "
+                     "a device bug); ignored\n",
+                     wc[i].qp_num, device_->name().c_str(),
+                     ibv_wc_status_str(wc[i].status));
+        continue;
+      }
+    }
+    wr->OnCompletion(wc[i]);
   }
   return n;
 }

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 
 #include "absl/status/statusor.h"
 #include "core/reactor.h"
@@ -38,6 +39,15 @@ class WorkRequest {
 
  protected:
   ~WorkRequest() = default;
+};
+
+// Knows which work requests it has posted and not seen complete (a QP).
+class WrOwner {
+ public:
+  virtual bool HasPosted(const WorkRequest* wr, const ibv_wc& wc) const = 0;
+
+ protected:
+  ~WrOwner() = default;
 };
 
 class CompletionQueue final : public Poller, private internal::IoCompletion {
@@ -66,6 +76,23 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   // Outstanding operations (drives adaptive polling).
   void AddInFlight(int n) { in_flight_ += n; }
 
+  // Error completions are checked against their QP before dispatch: siw
+  // (Linux 6.1) flushes an RDMA READ that already completed with an error a
+  // second time, and that wr_id may point at a finished operation's freed
+  // frame. Only failed completions pay for the check; successful ones go
+  // straight to their operation.
+  void RegisterOwner(uint32_t qp_num, const WrOwner* owner) {
+    owners_[qp_num] = owner;
+  }
+  // Only if `owner` still holds the number (an abandoned QP's number may
+  // already belong to a new QP).
+  void UnregisterOwner(uint32_t qp_num, const WrOwner* owner) {
+    auto it = owners_.find(qp_num);
+    if (it != owners_.end() && it->second == owner) owners_.erase(it);
+  }
+  // Error completions dropped because their QP had no such work request.
+  uint64_t stray_completions() const { return stray_; }
+
   // Poller.
   int Poll() override;
   bool InFlight() const override { return in_flight_ > 0; }
@@ -91,6 +118,8 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   int64_t in_flight_ = 0;
   uint64_t completions_ = 0;
   uint64_t events_ = 0;
+  uint64_t stray_ = 0;
+  std::unordered_map<uint32_t, const WrOwner*> owners_;
 };
 
 }  // namespace coverbs::transport

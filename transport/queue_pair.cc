@@ -151,6 +151,15 @@ void OpBase::Resume() {
 }
 
 void OpBase::OnCompletion(const ibv_wc& wc) {
+  if (completed_) {
+    // A second completion for a finished WR (a device bug): counting it
+    // again would corrupt the QP's accounting and resume the waiter twice.
+    std::fprintf(stderr,
+                 "coverbs: QP 0x%x: a second completion (%s) for %s, "
+                 "which already completed; ignored\n",
+                 qp_num_, WcStatusName(wc.status), name_);
+    return;
+  }
   if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
   if (!(wc.wr_id & 1)) {  // a non-terminal WR of a batch (errors only)
     ++nonterminal_seen_;
@@ -210,6 +219,7 @@ void RecvHandler::OnCompletion(const ibv_wc& wc) {
           WcStatusName(wc.status))));
     }
     qp->OnOpDone();
+    if (qp->in_error_) qp->WatchFlushes();
   }
   OnRecv(wc);
 }
@@ -308,6 +318,7 @@ absl::StatusOr<std::unique_ptr<QueuePair>> QueuePair::Adopt(
   std::unique_ptr<QueuePair> q(
       new QueuePair(std::move(qp), &cq, options, std::move(keepalive)));
   q->cq_reserved_ = need;
+  cq.RegisterOwner(q->qp_num_, q.get());
   return q;
 }
 
@@ -341,11 +352,34 @@ QueuePair::~QueuePair() {
                  qp_num_, static_cast<unsigned long long>(outstanding_));
     Abandon("destroyed; the device never flushed");
   }
+  DisarmFlushWatchdog();  // SetError above may have armed it
+  cq_->UnregisterOwner(qp_num_, this);
   cq_->Unreserve(cq_reserved_);
   *alive_ = nullptr;
 }
 
+bool QueuePair::HasPosted(const WorkRequest* wr, const ibv_wc& wc) const {
+  // Receives through an SRQ are on the SRQ's list, not ours.
+  if (uses_srq_ && (wc.opcode & IBV_WC_RECV)) return true;
+  // Compared as WorkRequest*, never dereferencing `wr` (it may be stale).
+  if (posted_ops_.AnyOf([wr](const Op* op) {
+        return static_cast<const WorkRequest*>(op) == wr;
+      })) {
+    return true;
+  }
+  return posted_handlers_.AnyOf([wr](const RecvHandler* h) {
+    return static_cast<const WorkRequest*>(h) == wr;
+  });
+}
+
 void QueuePair::OnOpDone() {
+  if (outstanding_ == 0) {
+    std::fprintf(stderr,
+                 "coverbs: QP 0x%x: a completion with no work request "
+                 "outstanding; ignored\n",
+                 qp_num_);
+    return;
+  }
   --outstanding_;
   cq_->AddInFlight(-1);
   if (closing_ && outstanding_ == 0) drained_->Set();
@@ -366,11 +400,39 @@ absl::Status QueuePair::SetError(std::string_view reason) {
   absl::Status s = qp_ != nullptr ? qp_->SetError() : absl::OkStatus();
   FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
       "QP 0x%x was moved to the error state (%s)", qp_num_, reason)));
+  WatchFlushes();
   return s;
+}
+
+void QueuePair::WatchFlushes() {
+  // The flushes should follow at once; a device that lost them gets the QP
+  // abandoned after flush_timeout (timers live on the CQ's reactor thread).
+  Reactor* r = cq_->reactor();
+  if (qp_ != nullptr && outstanding_ > 0 && r->InLoopThread() &&
+      !flush_watchdog_.armed()) {
+    flush_watchdog_.qp = this;
+    flush_watchdog_.deadline = SteadyAfter(options_.flush_timeout);
+    r->AddTimer(&flush_watchdog_);
+  }
+}
+
+void QueuePair::FlushWatchdog::OnTimer() {
+  if (qp->qp_ == nullptr || qp->outstanding_ == 0) return;
+  std::fprintf(stderr,
+               "coverbs: QP 0x%x: %llu work requests not flushed %s after "
+               "the error state; destroying the QP (the device lost them)\n",
+               qp->qp_num_, static_cast<unsigned long long>(qp->outstanding_),
+               absl::FormatDuration(qp->options_.flush_timeout).c_str());
+  qp->Abandon("the device did not flush its work requests");
+}
+
+void QueuePair::DisarmFlushWatchdog() {
+  if (flush_watchdog_.armed()) cq_->reactor()->CancelTimer(&flush_watchdog_);
 }
 
 void QueuePair::Abandon(std::string_view reason) {
   if (qp_ == nullptr) return;
+  DisarmFlushWatchdog();
   SetError(reason).IgnoreError();
   // Destroying the QP is what guarantees the NIC no longer accesses any
   // buffer of its work requests; completions it already produced are
@@ -528,6 +590,7 @@ void QueuePair::Release(Op* op) {
         WcStatusName(w.status))));
   }
   OnOpDone();
+  if (in_error_) WatchFlushes();
   if (!in_error_) PumpWaiters();
 }
 

@@ -50,6 +50,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/intrusive.h"
 #include "core/reactor.h"
 #include "core/sync.h"
@@ -81,6 +82,11 @@ struct QpOptions {
   uint8_t retry_cnt = 7;
   uint8_t timeout = 14;
   ProviderSrq* srq = nullptr;  // receive through a shared receive queue
+  // Once the QP is in the error state, every posted work request must come
+  // back flushed within this time; if not (siw loses the WRs of a QP whose
+  // peer sent TERMINATE), the QP is abandoned (see Abandon) so that no
+  // coroutine -- a cancelled operation included -- waits forever.
+  absl::Duration flush_timeout = absl::Seconds(2);
 };
 
 struct SendOptions {
@@ -239,7 +245,7 @@ class SendBatch {
   std::vector<ibv_sge> sges_;
 };
 
-class QueuePair {
+class QueuePair final : private WrOwner {
  public:
   using Op = internal_qp::OpBase;
 
@@ -341,6 +347,8 @@ class QueuePair {
   // Polls the CQ synchronously (bounded) until `done`; for destruction
   // paths that cannot suspend.
   void DrainSync(const std::function<bool()>& done);
+  // WrOwner: walks the posted lists (error completions only).
+  bool HasPosted(const WorkRequest* wr, const ibv_wc& wc) const override;
 
   std::unique_ptr<ProviderQp> qp_;
   CompletionQueue* cq_;
@@ -364,6 +372,16 @@ class QueuePair {
   std::unique_ptr<Event> drained_;
   // Lets a cross-thread cancellation find out whether the QP still exists.
   std::shared_ptr<QueuePair*> alive_;
+  // Armed when the QP enters the error state with work requests posted.
+  struct FlushWatchdog final : coverbs::internal::TimerNode {
+    QueuePair* qp = nullptr;
+    void OnTimer() override;
+  };
+  FlushWatchdog flush_watchdog_;
+  void DisarmFlushWatchdog();
+  // Arms the watchdog once the QP is in the error state with work requests
+  // posted (SetError, or a failed completion).
+  void WatchFlushes();
 };
 
 }  // namespace coverbs::transport
