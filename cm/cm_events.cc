@@ -1,4 +1,5 @@
 #include "cm/cm_events.h"
+#include "cm/trace.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -61,6 +62,9 @@ Task<void> WatchLoop(Reactor* reactor,
             ev->param.conn.private_data_len);
       }
       rdma_cm_id* target = ev->id;
+      COVERBS_CM_TRACE("cm event ", rdma_event_str(ev->event), " status ",
+                       ev->status, " id ", absl::Hex(reinterpret_cast<uintptr_t>(ev->id)),
+                       " listen_id ", absl::Hex(reinterpret_cast<uintptr_t>(ev->listen_id)));
       if (ev->event == RDMA_CM_EVENT_CONNECT_REQUEST) {
         target = ev->listen_id;
         auto req = CmId::AdoptRequest(owner, ev->id);

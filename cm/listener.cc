@@ -27,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "cm/cm_events.h"
 #include "cm/context_shared.h"
+#include "cm/trace.h"
 #include "core/timeout.h"
 #include "transport/soft/soft_provider.h"
 #include "transport/verbs/verbs_provider.h"
@@ -451,11 +452,15 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   std::unique_ptr<Connection> conn;
   transport::QpInit init;
   absl::StatusOr<CmEvent> ev;
-  // siw: rdma_connect sometimes fails at once with EADDRNOTAVAIL or
-  // ECONNREFUSED although the listener is there (seen in CI runs, and again
-  // after 3 quick retries right after a test whose Close hit its bound); a
-  // fresh id and QP then connect. A port with no listener still fails after
-  // the retries (10 + 20 + ... + 320 ms = 630 ms).
+  // siw: rdma_connect fails at once with ECONNREFUSED while the listener is
+  // busy with another connection's setup (ten concurrent connects: one goes
+  // through, nine are refused, round after round), and now and then with
+  // EADDRNOTAVAIL; a fresh id and QP a little later connect. So both are
+  // retried, with a growing, jittered pause, until the connect deadline: on
+  // iWARP a port with no listener therefore fails only at connect_timeout.
+  // (IB/RoCE report a refusal later, as REJECTED, and are not retried.)
+  const absl::Time connect_deadline = absl::Now() + o.connect_timeout;
+  uint64_t jitter = reinterpret_cast<uintptr_t>(args.get()) >> 4;
   for (int attempt = 0;; ++attempt) {
     conn.reset();  // the QP before the id it was created on
     id.reset();
@@ -488,12 +493,25 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     rdma_conn_param param = ConnParam(ctx, *pd);
     if (rdma_connect(id->id(), &param) == 0) break;
     int err = errno;
-    if ((err == EADDRNOTAVAIL || err == ECONNREFUSED) && attempt < 6) {
-      co_await Reactor::Current()->Sleep(absl::Milliseconds(10 << attempt));
-      continue;
+    COVERBS_CM_TRACE(where, ": rdma_connect attempt ", attempt, " on id ",
+                     absl::Hex(reinterpret_cast<uintptr_t>(id->id())), ": ", strerror(err));
+    if (err == EADDRNOTAVAIL || err == ECONNREFUSED) {
+      int base = std::min(10 << std::min(attempt, 4), 160);
+      jitter = jitter * 6364136223846793005ull + 1442695040888963407ull;
+      absl::Duration pause =
+          absl::Milliseconds(base + static_cast<int>((jitter >> 33) % base));
+      if (absl::Now() + pause < connect_deadline) {
+        absl::Status slept = co_await Reactor::Current()->Sleep(pause);
+        if (!slept.ok()) co_return Annotate(slept, where);
+        continue;
+      }
     }
-    co_return absl::UnavailableError(
-        absl::StrCat(where, ": rdma_connect failed: ", strerror(err)));
+    co_return absl::UnavailableError(absl::StrCat(
+        where, ": rdma_connect failed: ", strerror(err),
+        attempt > 0 ? absl::StrCat(" (", attempt + 1, " attempts within ",
+                                   absl::FormatDuration(o.connect_timeout),
+                                   ")")
+                    : ""));
   }
   ev = co_await Expect(*id, RDMA_CM_EVENT_ESTABLISHED, o.connect_timeout,
                        where, "connecting");

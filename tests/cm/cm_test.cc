@@ -273,7 +273,9 @@ TEST_P(CmTest, NoListenerOnPort) {
     }
     co_await t->reactor_->Sleep(absl::Milliseconds(50));
     ConnectOptions co;
-    co.connect_timeout = absl::Seconds(10);
+    // iWARP retries a refusal until this deadline (a busy listener refuses
+    // too), so keep it short.
+    co.connect_timeout = absl::Seconds(3);
     auto c = co_await Connect(*t->client_ctx_, t->addr_, port, co);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
     EXPECT_NE(std::string(c.status().message()).find(std::to_string(port)),
@@ -441,7 +443,8 @@ TEST_P(CmTest, HundredConcurrentConnections) {
         EXPECT_EQ(ok, kConns);
         EXPECT_EQ(servers.size(), static_cast<size_t>(kConns));
         // Each connection carries its own message.
-        for (int i = 0; i < kConns && i < ok; ++i) {
+        for (int i = 0; i < kConns; ++i) {
+          if (!clients[i].ok()) continue;
           std::string msg = absl::StrCat("conn-", i);
           CO_ASSERT_OK(co_await (*clients[i])->Send(
               std::as_bytes(std::span(msg.data(), msg.size()))));
