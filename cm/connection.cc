@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/context_shared.h"
+#include "cm/trace.h"
 #include "cm/wire.h"
 #include "core/sync.h"
 #include "core/timeout.h"
@@ -152,6 +153,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                                const LocalBuffer* zero_copy = nullptr);
   Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
                                const LocalBuffer* registered);
+  Task<void> SendCts(uint32_t cookie, uint16_t flags, std::vector<std::byte> payload);
   Task<void> SendControl(MsgType type, uint32_t cookie, uint16_t flags,
                          std::vector<std::byte> payload);
   Task<void> SendCreditMessage();
@@ -197,6 +199,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Send side.
   Semaphore credits_{0};
   Semaphore send_turn_{1};
+  // Our RTS messages still waiting for their CTS (see kCtsReserve).
+  Semaphore rts_window_{kCtsReserve};
+  // Keeps CTS messages in the order of the RTS they answer.
+  Semaphore cts_turn_{1};
   uint32_t credit_msgs_sent_ = 0;
   uint32_t credit_msgs_acked_ = 0;
   bool credit_msg_running_ = false;
@@ -259,7 +265,7 @@ absl::Status ConnectionImpl::Init() {
   }
   // The ring: recv_credits for messages plus kCreditReserve for credit
   // messages, which are consumed at once and never count as credits.
-  ring_slots_ = options_.recv_credits + kCreditReserve;
+  ring_slots_ = options_.recv_credits + kCreditReserve + kCtsReserve;
   auto* ring = new RecvRing();
   ring->conn = this;
   ring->slot_size =
@@ -349,6 +355,14 @@ absl::Status ConnectionImpl::Start(PeerInfo peer, std::unique_ptr<Link> link) {
     link_->OnDown([weak](absl::Status why) {
       std::shared_ptr<ConnectionImpl> self = weak.lock();
       if (self == nullptr) return;
+      // The rdma_cm event can overtake completions already in the CQ (on
+      // iWARP the peer's last messages and its GOODBYE arrive before the
+      // FIN that raised DISCONNECTED): take them first, so that messages
+      // sent before the peer closed are delivered, not lost.
+      if (self->status_.ok() && !self->qp_->in_error()) {
+        for (int i = 0; i < 64 && self->qp_->cq()->Poll() > 0; ++i) {
+        }
+      }
       if (self->peer_closed_) why = absl::UnavailableError("closed by the peer");
       self->Fail(std::move(why));
     });
@@ -538,6 +552,41 @@ Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
   if (!s.ok() && status_.ok() && !closing_) {
     Fail(absl::UnavailableError(absl::StrCat(
         "connection lost: sending a control message failed: ", s.message())));
+  }
+}
+
+Task<void> ConnectionImpl::SendCts(uint32_t cookie, uint16_t flags,
+                                   std::vector<std::byte> payload) {
+  // No credit and no send turn: the CTS lands in one of the kCtsReserve
+  // receives the peer posted for the answers to its RTS messages.
+  absl::Status s = co_await cts_turn_.Acquire(1);
+  if (s.ok()) {
+    s = CheckUp("send");
+    if (s.ok()) {
+      auto buf = co_await GetSendBuffer();
+      if (!buf.ok()) {
+        s = buf.status();
+        cts_turn_.Release(1);
+      } else {
+        WireHeader h;
+        FillHeader(h, kCts, static_cast<uint32_t>(payload.size()), cookie, flags);
+        std::memcpy(buf->data(), &h, kHeaderSize);
+        if (!payload.empty()) {
+          std::memcpy(buf->data() + kHeaderSize, payload.data(), payload.size());
+        }
+        transport::SendOptions so;
+        so.inline_data = kHeaderSize + payload.size() <= qp_->max_inline_data();
+        cts_turn_.Release(1);  // posted in order by the co_await below
+        auto wc = co_await qp_->Send(buf->Local(kHeaderSize + payload.size()), so);
+        if (!wc.ok()) s = wc.status();
+      }
+    } else {
+      cts_turn_.Release(1);
+    }
+  }
+  if (!s.ok() && status_.ok() && !closing_) {
+    Fail(absl::UnavailableError(absl::StrCat(
+        "connection lost: sending a rendezvous answer failed: ", s.message())));
   }
 }
 
@@ -749,13 +798,16 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
         in.large = lb;
         incoming_.push_back(std::move(in));
       }
-      SpawnInternal(SendControl(kCts, h.cookie, flags, std::move(cts)));
+      SpawnInternal(SendCts(h.cookie, flags, std::move(cts)));
       break;
     }
     case kCts: {
-      consume();
       CtsPayload p;
       std::memcpy(&p, slot->data + kHeaderSize, kCtsSize);
+      // One of our kCtsReserve receives: repost it (after reading it) without
+      // returning a credit, and let the next rendezvous ask.
+      Repost(slot);
+      rts_window_.Release(1);
       if (!pending_rts_.empty() && pending_rts_.front()->cookie == h.cookie) {
         PendingRts* pr = pending_rts_.front();
         pending_rts_.pop_front();
@@ -828,6 +880,7 @@ void ConnectionImpl::Pump() {
 
 void ConnectionImpl::Fail(absl::Status why) {
   if (!status_.ok()) return;
+  COVERBS_CM_TRACE(name_, ": down: ", why.ToString());
   status_ = std::move(why);
   // Stop posting at once (siw never completes WRs posted after a peer
   // TERMINATE) and flush what is posted.
@@ -837,6 +890,7 @@ void ConnectionImpl::Fail(absl::Status why) {
   may_send_.Set();
   credits_.Release(1 << 24);
   ready_count_.Release(1 << 24);
+  rts_window_.Release(1 << 24);
   for (PendingRts* pr : pending_rts_) pr->cts.Set();
   pending_rts_.clear();
   // Rendezvous that will never finish.
@@ -850,7 +904,19 @@ void ConnectionImpl::Fail(absl::Status why) {
   }
 }
 
-void ConnectionImpl::Abort(absl::Status why) { Fail(std::move(why)); }
+void ConnectionImpl::Abort(absl::Status why) {
+  Fail(std::move(why));
+  // The owner is gone, so nobody will Close: internal tasks still waiting
+  // for their work requests keep this connection (and its QP on the
+  // Context's CQ) alive until the flushes come, which on siw after a peer
+  // TERMINATE is never. Destroying the QP now ends the NIC's access and
+  // completes them, so the connection goes before its Context can.
+  if (qp_->outstanding() > 0) {
+    COVERBS_CM_TRACE(name_, ": destroyed with ", qp_->outstanding(),
+                     " WRs posted; abandoning the QP");
+    qp_->Abandon("the connection was destroyed");
+  }
+}
 
 Task<absl::Status> ConnectionImpl::SendParts(
     std::span<const std::span<const std::byte>> parts) {
@@ -928,6 +994,18 @@ Task<absl::Status> ConnectionImpl::SendLarge(
     if (!s_reserved.ok()) {
       send_turn_.Release(1);
       co_return s_reserved;
+    }
+    // At most kCtsReserve of our RTS wait for their CTS, which the peer
+    // sends into our reserve receives without credits. Waiting here, inside
+    // the send turn, keeps messages in Send order; a CTS always comes (the
+    // peer consumes RTS at once and needs nothing from us to answer).
+    absl::Status w = co_await rts_window_.Acquire(1);
+    if (w.ok()) w = CheckUp("send");
+    if (!w.ok()) {
+      unreserve();
+      if (status_.ok()) credits_.Release(1);  // the RTS's own credit
+      send_turn_.Release(1);
+      co_return w;
     }
     WireHeader h;
     FillHeader(h, kRts, static_cast<uint32_t>(total), pr.cookie, 0);
@@ -1075,6 +1153,8 @@ Task<absl::Status> ConnectionImpl::Close() {
     co_return absl::OkStatus();
   }
   absl::Duration t = options_.close_timeout;
+  COVERBS_CM_TRACE(name_, ": Close: status ", status_.ToString(), ", peer_closed ",
+                   peer_closed_, ", outstanding WRs ", qp_->outstanding());
   if (status_.ok() && started_ && !peer_closed_) {
     // Goodbye first, so the peer reports "closed by the peer", not a loss.
     auto bye = [](ConnectionImpl* self) -> Task<absl::Status> {
@@ -1101,6 +1181,8 @@ Task<absl::Status> ConnectionImpl::Close() {
     co_await ctx_.reactor().Sleep(absl::Milliseconds(1));
   }
   if (qp_->outstanding() > 0) {
+    COVERBS_CM_TRACE(name_, ": Close: ", qp_->outstanding(),
+                     " WRs never flushed; abandoning the QP");
     qp_->Abandon("close: the device did not flush every work request");
   }
   absl::Status s;
@@ -1112,6 +1194,7 @@ Task<absl::Status> ConnectionImpl::Close() {
       }(tasks_),
       t);
   if (!s.ok() && result.ok()) result = s;
+  COVERBS_CM_TRACE(name_, ": Close done: ", result.ToString());
   co_return result;
 }
 
@@ -1264,8 +1347,8 @@ transport::QpOptions Connection::QpOptionsFor(Context& ctx,
   const transport::DeviceCaps& caps = ctx.device().caps();
   // The send queue only bounds how much is posted at once (the QueuePair
   // queues the rest); credits bound what the peer must absorb.
-  uint32_t send = o.send_depth + internal::kCreditReserve + 4;
-  uint32_t recv = o.recv_credits + internal::kCreditReserve;
+  uint32_t send = o.send_depth + internal::kCreditReserve + internal::kCtsReserve + 4;
+  uint32_t recv = o.recv_credits + internal::kCreditReserve + internal::kCtsReserve;
   if (caps.max_qp_wr != 0) {
     send = std::min(send, caps.max_qp_wr);
     recv = std::min(recv, caps.max_qp_wr);

@@ -57,7 +57,7 @@ struct ConnectionOptions {
   // Largest message accepted or sent (announced in the handshake).
   uint64_t max_message_size = 64ull << 20;
   // Send-queue depth: work requests posted at once (more wait, FIFO).
-  // Each connection reserves send_depth + 6 + recv_credits + 2 entries of
+  // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
   // its Context's CQ (ContextOptions::cq_entries).
   uint32_t send_depth = 64;
   // Receive through the Context's shared receive queue instead of a

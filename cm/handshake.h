@@ -31,7 +31,8 @@ namespace coverbs::cm {
 
 inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 inline constexpr uint32_t kRejectMagic = 0x52425643;     // "CVBR"
-inline constexpr uint16_t kProtocolVersion = 1;
+// 2: CTS travels in reserved receives, without credits (cm/wire.h).
+inline constexpr uint16_t kProtocolVersion = 2;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 inline constexpr size_t kMaxRejectReason = 140;

@@ -46,6 +46,12 @@ static_assert(sizeof(CtsPayload) == kCtsSize);
 
 // Receives posted beyond the credits, for credit messages.
 inline constexpr uint32_t kCreditReserve = 2;
+// Receives posted beyond the credits for the CTS answers to our own RTS
+// messages; a side never has more than kCtsReserve RTS waiting for their
+// CTS, so the peer sends CTS without credits (protocol version 2). A CTS
+// that needed a credit could deadlock when every credit is held by eager
+// messages the application has not read yet, on both sides at once.
+inline constexpr uint32_t kCtsReserve = 4;
 inline constexpr uint64_t kMaxWireLength = 0xffffffffull;
 
 // Checks a received header against the completion's byte count and the
