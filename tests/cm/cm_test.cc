@@ -382,8 +382,7 @@ TEST_P(CmTest, HundredConcurrentConnections) {
           }
           // Open problem, kept visible: on siw (Linux 6.1 in the VM) with
           // 100 concurrent connects, the listener's rdma_create_qp on the
-          // request's id fails from the very first request (EINVAL in an
-          // earlier run; the reject reason is cut at 140 bytes), so
+          // request's id fails with EINVAL from the very first request, so
           // every one is rejected with that reason (COVERBS_CM_CONNS=100,
           // 2026-11-23: 39 requests reached the listener, the rest were
           // refused at TCP level and retried); 10 pass. EINVAL there is

@@ -525,16 +525,18 @@ absl::StatusOr<std::unique_ptr<VerbsQp>> CreateCmQp(
   errno = 0;
   if (rdma_create_qp(id, vpd->core()->pd, &attr) != 0) {
     int err = errno != 0 ? errno : EINVAL;
-    return ErrnoStatus(
-        err,
+    // The cause first: a listener sends this text as its reject reason,
+    // which is cut at 140 bytes.
+    return absl::Status(
+        absl::ErrnoToStatusCode(err),
         absl::StrFormat(
-            "rdma_create_qp (side %s) on %s: requested send_wr=%u recv_wr=%u "
-            "send_sge=%u recv_sge=%u inline=%u%s; device max_qp_wr=%d "
-            "max_sge=%d max_inline_data=%u",
-            side, dev.name, init.max_send_wr, init.max_recv_wr,
-            init.max_send_sge, init.max_recv_sge, init.max_inline_data,
-            srq != nullptr ? " (with SRQ)" : "", dev.attr.max_qp_wr,
-            dev.attr.max_sge, dev.caps.max_inline_data));
+            "rdma_create_qp (side %s) on %s: %s (errno %d); requested "
+            "send_wr=%u recv_wr=%u send_sge=%u recv_sge=%u inline=%u%s; "
+            "device max_qp_wr=%d max_sge=%d max_inline_data=%u",
+            side, dev.name, std::strerror(err), err, init.max_send_wr,
+            init.max_recv_wr, init.max_send_sge, init.max_recv_sge,
+            init.max_inline_data, srq != nullptr ? " (with SRQ)" : "",
+            dev.attr.max_qp_wr, dev.attr.max_sge, dev.caps.max_inline_data));
   }
   std::shared_ptr<SrqCore> srq_core;
   if (srq != nullptr) srq_core = srq->core();
