@@ -166,6 +166,13 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Runs an internal task that keeps the connection alive until it ends.
   void SpawnInternal(Task<void> t);
   absl::Status CheckUp(const char* what) const;
+  // Writes a header for `payload`, then the payload, to `dst` (a send
+  // buffer); returns the bytes to post.
+  size_t WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
+                    uint16_t flags, std::span<const std::byte> payload);
+  // An internal send (control, CTS, credit) failed: the connection is lost,
+  // unless it is already down or closing.
+  void FailInternalSend(const absl::Status& s, const char* what);
   void FillHeader(WireHeader& h, MsgType type, uint32_t length,
                   uint32_t cookie, uint16_t flags);
   void Fail(absl::Status why);
@@ -417,6 +424,26 @@ void ConnectionImpl::FillHeader(WireHeader& h, MsgType type, uint32_t length,
   h.cookie = cookie;
 }
 
+size_t ConnectionImpl::WriteFrame(std::byte* dst, MsgType type,
+                                  uint32_t cookie, uint16_t flags,
+                                  std::span<const std::byte> payload) {
+  WireHeader h;
+  FillHeader(h, type, static_cast<uint32_t>(payload.size()), cookie, flags);
+  std::memcpy(dst, &h, kHeaderSize);
+  if (!payload.empty()) {
+    std::memcpy(dst + kHeaderSize, payload.data(), payload.size());
+  }
+  return kHeaderSize + payload.size();
+}
+
+void ConnectionImpl::FailInternalSend(const absl::Status& s,
+                                      const char* what) {
+  if (!s.ok() && status_.ok() && !closing_) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: ", what, " failed: ", s.message())));
+  }
+}
+
 Task<absl::Status> ConnectionImpl::TakeCredit() {
   if (!may_send_.is_set()) {
     absl::Status s = co_await may_send_.Wait();
@@ -537,57 +564,43 @@ Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
       s = buf.status();
       break;
     }
-    WireHeader h;
-    FillHeader(h, type, static_cast<uint32_t>(payload.size()), cookie, flags);
-    std::memcpy(buf->data(), &h, kHeaderSize);
-    if (!payload.empty()) {
-      std::memcpy(buf->data() + kHeaderSize, payload.data(), payload.size());
-    }
+    size_t len = WriteFrame(buf->data(), type, cookie, flags, payload);
     transport::SendOptions so;
-    so.inline_data = kHeaderSize + payload.size() <= qp_->max_inline_data();
+    so.inline_data = len <= qp_->max_inline_data();
     send_turn_.Release(1);
-    auto wc = co_await qp_->Send(buf->Local(kHeaderSize + payload.size()), so);
+    auto wc = co_await qp_->Send(buf->Local(len), so);
     if (!wc.ok()) s = wc.status();
   } while (false);
-  if (!s.ok() && status_.ok() && !closing_) {
-    Fail(absl::UnavailableError(absl::StrCat(
-        "connection lost: sending a control message failed: ", s.message())));
-  }
+  FailInternalSend(s, "sending a control message");
 }
 
 Task<void> ConnectionImpl::SendCts(uint32_t cookie, uint16_t flags,
                                    std::vector<std::byte> payload) {
   // No credit and no send turn: the CTS lands in one of the kCtsReserve
   // receives the peer posted for the answers to its RTS messages.
-  absl::Status s = co_await cts_turn_.Acquire(1);
-  if (s.ok()) {
+  absl::Status s;
+  do {
+    s = co_await cts_turn_.Acquire(1);
+    if (!s.ok()) break;
     s = CheckUp("send");
-    if (s.ok()) {
-      auto buf = co_await GetSendBuffer();
-      if (!buf.ok()) {
-        s = buf.status();
-        cts_turn_.Release(1);
-      } else {
-        WireHeader h;
-        FillHeader(h, kCts, static_cast<uint32_t>(payload.size()), cookie, flags);
-        std::memcpy(buf->data(), &h, kHeaderSize);
-        if (!payload.empty()) {
-          std::memcpy(buf->data() + kHeaderSize, payload.data(), payload.size());
-        }
-        transport::SendOptions so;
-        so.inline_data = kHeaderSize + payload.size() <= qp_->max_inline_data();
-        cts_turn_.Release(1);  // posted in order by the co_await below
-        auto wc = co_await qp_->Send(buf->Local(kHeaderSize + payload.size()), so);
-        if (!wc.ok()) s = wc.status();
-      }
-    } else {
+    if (!s.ok()) {
       cts_turn_.Release(1);
+      break;
     }
-  }
-  if (!s.ok() && status_.ok() && !closing_) {
-    Fail(absl::UnavailableError(absl::StrCat(
-        "connection lost: sending a rendezvous answer failed: ", s.message())));
-  }
+    auto buf = co_await GetSendBuffer();
+    if (!buf.ok()) {
+      s = buf.status();
+      cts_turn_.Release(1);
+      break;
+    }
+    size_t len = WriteFrame(buf->data(), kCts, cookie, flags, payload);
+    transport::SendOptions so;
+    so.inline_data = len <= qp_->max_inline_data();
+    cts_turn_.Release(1);  // posted in order by the co_await below
+    auto wc = co_await qp_->Send(buf->Local(len), so);
+    if (!wc.ok()) s = wc.status();
+  } while (false);
+  FailInternalSend(s, "sending a rendezvous answer");
 }
 
 Task<void> ConnectionImpl::SendCreditMessage() {
@@ -603,14 +616,12 @@ Task<void> ConnectionImpl::SendCreditMessage() {
       break;
     }
     if (to_return_ == 0 || !status_.ok()) break;
-    WireHeader h;
-    FillHeader(h, kCredit, 0, 0, 0);
+    size_t len = WriteFrame(buf->data(), kCredit, 0, 0, {});
     ++credit_msgs_sent_;
     ++stats_.credit_messages_sent;
-    std::memcpy(buf->data(), &h, kHeaderSize);
     transport::SendOptions so;
-    so.inline_data = kHeaderSize <= qp_->max_inline_data();
-    auto wc = co_await qp_->Send(buf->Local(kHeaderSize), so);
+    so.inline_data = len <= qp_->max_inline_data();
+    auto wc = co_await qp_->Send(buf->Local(len), so);
     if (!wc.ok()) {
       s = wc.status();
       break;
@@ -619,11 +630,7 @@ Task<void> ConnectionImpl::SendCreditMessage() {
     if (to_return_ < std::max<uint32_t>(1, options_.recv_credits / 4)) break;
   }
   credit_msg_running_ = false;
-  if (!s.ok() && status_.ok() && !closing_) {
-    Fail(absl::UnavailableError(
-        absl::StrCat("connection lost: a credit message failed: ",
-                     s.message())));
-  }
+  FailInternalSend(s, "a credit message");
 }
 
 void ConnectionImpl::MaybeSendCredits() {
