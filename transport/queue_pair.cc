@@ -219,7 +219,6 @@ void RecvHandler::OnCompletion(const ibv_wc& wc) {
           WcStatusName(wc.status))));
     }
     qp->OnOpDone();
-    if (qp->in_error_) qp->WatchFlushes();
   }
   OnRecv(wc);
 }
@@ -383,6 +382,8 @@ void QueuePair::OnOpDone() {
   --outstanding_;
   cq_->AddInFlight(-1);
   if (closing_ && outstanding_ == 0) drained_->Set();
+  // A failed completion put the QP in the error state: the rest must flush.
+  if (in_error_) WatchFlushes();
 }
 
 void QueuePair::DrainSync(const std::function<bool()>& done) {
@@ -590,7 +591,6 @@ void QueuePair::Release(Op* op) {
         WcStatusName(w.status))));
   }
   OnOpDone();
-  if (in_error_) WatchFlushes();
   if (!in_error_) PumpWaiters();
 }
 

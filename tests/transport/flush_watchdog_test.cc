@@ -93,6 +93,18 @@ class FlushWatchdogTest : public ::testing::Test {
   }
 
  public:  // for the coroutine lambdas
+  // Receives on `qp` until `limit`; nothing is ever sent to it, so the
+  // deadline cancels the receive, which moves the QP to the error state.
+  Task<absl::Status> RecvWithin(QueuePair* qp, absl::Duration limit) {
+    auto recv = [](QueuePair* qp,
+                   const MemoryRegion* mr) -> Task<absl::Status> {
+      LocalBuffer b = mr->Local();
+      auto wc = co_await qp->Recv(b);
+      co_return wc.status();
+    };
+    co_return co_await WithTimeout(recv(qp, &mr_), limit);
+  }
+
   std::unique_ptr<Reactor> reactor_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<ProtectionDomain> pd_;
@@ -105,17 +117,9 @@ class FlushWatchdogTest : public ::testing::Test {
 
 TEST_F(FlushWatchdogTest, CancelledReceiveEndsAlthoughTheFlushNeverComes) {
   absl::Time start = absl::Now();
-  absl::Status s = reactor_->BlockOn(
-      [](FlushWatchdogTest* t) -> Task<absl::Status> {
-        auto recv = [](FlushWatchdogTest* t) -> Task<absl::Status> {
-          LocalBuffer b = t->mr_.Local();
-          auto wc = co_await t->qp_->Recv(b);
-          co_return wc.status();
-        };
-        // No peer sends: the deadline cancels the receive, which moves the
-        // QP to the error state -- and this device loses the flush.
-        co_return co_await WithTimeout(recv(t), absl::Milliseconds(50));
-      }(this));
+  // This device loses the flush of the cancelled receive.
+  absl::Status s =
+      reactor_->BlockOn(RecvWithin(qp_.get(), absl::Milliseconds(50)));
   absl::Duration took = absl::Now() - start;
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_EQ(qp_->outstanding(), 0u);
@@ -135,15 +139,8 @@ TEST_F(FlushWatchdogTest, CancelledReceiveEndsAlthoughTheFlushNeverComes) {
 TEST_F(FlushWatchdogTest, DeviceThatFlushesKeepsItsQp) {
   // The peer's QP flushes normally: SetError with a posted receive
   // completes it at once and the watchdog never fires.
-  absl::Status s = reactor_->BlockOn(
-      [](FlushWatchdogTest* t) -> Task<absl::Status> {
-        auto recv = [](FlushWatchdogTest* t) -> Task<absl::Status> {
-          LocalBuffer b = t->mr_.Local();
-          auto wc = co_await t->peer_->Recv(b);
-          co_return wc.status();
-        };
-        co_return co_await WithTimeout(recv(t), absl::Milliseconds(50));
-      }(this));
+  absl::Status s =
+      reactor_->BlockOn(RecvWithin(peer_.get(), absl::Milliseconds(50)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_EQ(peer_->outstanding(), 0u);
   EXPECT_NE(peer_->provider(), nullptr) << "a device that flushes keeps its QP";
