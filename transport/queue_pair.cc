@@ -241,12 +241,10 @@ absl::StatusOr<std::unique_ptr<SharedReceiveQueue>> SharedReceiveQueue::Create(
 }
 
 SharedReceiveQueue::~SharedReceiveQueue() {
-  if (posted_ > 0) {
-    std::fprintf(stderr,
-                 "coverbs: SharedReceiveQueue destroyed with %u receives "
-                 "posted; destroy (and drain) its QPs first\n",
-                 posted_);
-  }
+  // Destroying an SRQ discards its posted receives without completions
+  // (unlike a QP's, they are not flushed): their handlers are never called.
+  srq_.reset();
+  cq_->AddInFlight(-static_cast<int>(posted_));
   cq_->Unreserve(static_cast<int>(max_wr_));
 }
 

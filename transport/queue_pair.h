@@ -198,7 +198,9 @@ class RecvHandler : public WorkRequest,
 // one pool of receives instead of one per connection). Receives complete to
 // RecvHandlers on the CQ of whichever QP the message arrived on; `cq` is
 // the CQ those QPs use (its entries are reserved for the SRQ's depth).
-// Create QPs with QpOptions::srq = srq->provider().
+// Create QPs with QpOptions::srq = srq->provider(). Destroy those QPs
+// first; destroying the SRQ discards the receives still posted (their
+// handlers are never called; free their buffers after).
 class SharedReceiveQueue {
  public:
   static absl::StatusOr<std::unique_ptr<SharedReceiveQueue>> Create(
