@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -11,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -42,11 +44,18 @@ class MessageBuffer {
 
 class ConnectionImpl;
 struct RecvRing;
+struct SrqPool;
 
-// One posted receive of the per-connection ring.
+// One receive buffer: of a connection's ring, or of the Context's SRQ pool.
 struct RecvSlot final : transport::RecvHandler, MessageBuffer {
-  RecvRing* ring = nullptr;
+  RecvRing* ring = nullptr;  // ring mode
+  SrqPool* pool = nullptr;   // SRQ mode
   std::byte* data = nullptr;
+  // SRQ mode only.
+  uint32_t lkey = 0;
+  bool posted = false;   // in the SRQ
+  bool held = false;     // owned by a Message
+  uint64_t conn_id = 0;  // the connection a held message arrived on
   void OnRecv(const ibv_wc& wc) override;
   void Release() override;
 };
@@ -90,6 +99,72 @@ struct LargeBuffer final : MessageBuffer {
   void Release() override { delete this; }
 };
 
+// SRQ mode (ConnectionOptions::use_srq): the Context's shared receive queue
+// and the buffers posted to it, shared by the connections that use it.
+//
+// No RNR with a correct peer still holds: every connection is promised
+// receives for each credit its peer holds plus its reserve receives
+// (kCreditReserve + kCtsReserve), and `committed` (the sum of those
+// promises) never exceeds the receives posted. A connection starts with
+// srq_initial_credits; its receiver lends a busy sender more (up to
+// recv_credits, from receives nobody was promised) and takes them back when
+// the sender stops running out (see ConnectionImpl::Replenish). The memory
+// of an idle connection is therefore its current window plus 6 buffers
+// instead of recv_credits + 6.
+//
+// Messages may outlive the connection and the Context: the pool goes away
+// with the last held buffer (the SRQ and the registrations go with the
+// Context, so the NIC no longer writes into them).
+struct SrqPool {
+  struct Chunk {
+    std::byte* mem = nullptr;
+    MemoryRegion mr;
+    std::unique_ptr<RecvSlot[]> slots;
+  };
+  std::unique_ptr<transport::SharedReceiveQueue> srq;
+  size_t slot_size = 0;
+  uint32_t capacity = 0;  // buffers at most (ContextOptions::srq_depth)
+  uint32_t slots = 0;     // buffers allocated
+  int64_t committed = 0;  // receives promised to connections
+  uint32_t held = 0;      // buffers owned by Messages
+  bool detached = false;  // the Context is gone
+  std::vector<Chunk> chunks;
+  std::vector<RecvSlot*> unposted;  // a post failed; retried on Reserve
+  absl::flat_hash_map<uint64_t, ConnectionImpl*> conns;  // by connection id
+  absl::flat_hash_map<uint32_t, ConnectionImpl*> by_qp;
+
+  ~SrqPool() {
+    for (Chunk& c : chunks) {
+      c.mr.Deregister();
+      std::free(c.mem);
+    }
+  }
+  static absl::StatusOr<SrqPool*> For(Context& ctx);
+  // Receives posted and promised to nobody.
+  int64_t Free() const {
+    return static_cast<int64_t>(srq->posted()) - committed;
+  }
+  // Promises `n` receives, posting more buffers (up to `limit` in all) if
+  // the free ones are too few.
+  absl::Status Reserve(uint32_t n, uint32_t limit, Context& ctx);
+  // Lending stops short of the last quarter of the capacity, which is kept
+  // for new connections' initial grants.
+  bool CanLend(uint32_t n, Context& ctx) {
+    return Reserve(n, capacity - capacity / 4, ctx).ok();
+  }
+  bool Post(RecvSlot* s);
+  void OnRecv(RecvSlot* s, const ibv_wc& wc);
+  void Release(RecvSlot* s);
+  void Detach() {
+    srq.reset();  // discards the posted receives: the NIC is done with them
+    for (Chunk& c : chunks) c.mr.Deregister();
+    detached = true;
+    if (held == 0) delete this;
+  }
+};
+
+void DetachSrqPool(SrqPool* pool) { pool->Detach(); }
+
 // A received message waiting to be handed out in arrival order; a
 // rendezvous entry is not ready until its DONE arrived.
 struct Incoming {
@@ -116,6 +191,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                  const ConnectionOptions& o, bool active)
       : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
     id_ = ctx.shared().next_connection_id++;
+    qp_num_ = qp_->qp_num();
     name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
   }
   ~ConnectionImpl();
@@ -138,11 +214,17 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Context& context() const { return ctx_; }
   transport::QueuePair& qp() const { return *qp_; }
   const std::string& name() const { return name_; }
-  Connection::Stats stats() const { return stats_; }
+  Connection::Stats stats() const {
+    Connection::Stats st = stats_;
+    st.recv_window = outstanding_ + to_return_ + held_;
+    st.recv_window_peak = std::max(window_peak_, st.recv_window);
+    return st;
+  }
   const ConnectionOptions& options() const { return options_; }
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
+  uint64_t id() const { return id_; }
   // Posts `slot` again; on failure the connection is failed (false).
   bool Repost(RecvSlot* slot);
 
@@ -178,6 +260,17 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   void Fail(absl::Status why);
   void Pump();
   void MaybeSendCredits();
+  // Credits returned once this many are owed.
+  uint32_t ReturnThreshold() const;
+  // A credit-spending message arrived (the peer set kFlagCreditLow on it, or
+  // `low`); false (the connection failed) if the peer had no credit left.
+  bool Spent(bool low);
+  // A credit-spending receive is posted again: owe the peer its credit
+  // back (SRQ mode: or two, to grow a busy sender's window, or none, to
+  // shrink one that no longer runs out).
+  void Replenish();
+  absl::Status InitSrq();
+  absl::Status InitAtomics();  // the 8-byte result buffers for atomics
   void Protocol(absl::string_view what);
   absl::Status OpError(const char* op, const absl::Status& s) const;
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
@@ -189,13 +282,23 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   ConnectionOptions options_;
   bool active_;
   uint64_t id_ = 0;
+  uint32_t qp_num_ = 0;
   std::string name_;
   PeerInfo peer_;
   bool started_ = false;
 
   // Receive side.
-  RecvRing* ring_ = nullptr;
+  RecvRing* ring_ = nullptr;  // ring mode
   uint32_t ring_slots_ = 0;
+  SrqPool* pool_ = nullptr;  // SRQ mode
+  size_t slot_size_ = 0;     // bytes per receive buffer
+  uint32_t initial_credits_ = 0;
+  uint32_t outstanding_ = 0;  // credits announced and not yet spent
+  bool peer_low_ = false;     // SRQ: the peer ran out since we last lent
+  uint32_t since_low_ = 0;    // SRQ: credit-spending messages since then
+  uint32_t window_peak_ = 0;
+  uint32_t held_ = 0;  // SRQ: our receives held by Messages (a credit each
+                       // once released)
   uint32_t to_return_ = 0;           // reposted, not yet announced
   uint32_t credit_msgs_seen_ = 0;    // kCredit messages received (acked)
   std::deque<Incoming> incoming_;    // in arrival order
@@ -237,12 +340,18 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 // ---------------------------------------------------------------------------
 
 void RecvSlot::OnRecv(const ibv_wc& wc) {
-  if (ring->conn != nullptr) {
+  if (pool != nullptr) {
+    pool->OnRecv(this, wc);
+  } else if (ring->conn != nullptr) {
     ring->conn->OnRecv(this, wc);
   }
 }
 
 void RecvSlot::Release() {
+  if (pool != nullptr) {
+    pool->Release(this);
+    return;
+  }
   RecvRing* r = ring;
   --r->held;
   if (r->conn != nullptr) {
@@ -250,6 +359,173 @@ void RecvSlot::Release() {
   } else {
     r->MaybeDelete();
   }
+}
+
+absl::StatusOr<SrqPool*> SrqPool::For(Context& ctx) {
+  Context::Shared& sh = ctx.shared();
+  if (sh.srq_pool != nullptr) return sh.srq_pool;
+  const ContextOptions& o = ctx.options();
+  if (o.srq_depth == 0) {
+    return absl::FailedPreconditionError(
+        "ConnectionOptions::use_srq needs a Context with a shared receive "
+        "queue (ContextOptions::srq_depth > 0)");
+  }
+  if (o.srq_buffer_size <= kHeaderSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ContextOptions::srq_buffer_size ", o.srq_buffer_size,
+                     " does not hold a message header"));
+  }
+  auto srq =
+      transport::SharedReceiveQueue::Create(ctx.pd(), ctx.cq(), o.srq_depth, 1);
+  if (!srq.ok()) {
+    return absl::Status(
+        srq.status().code(),
+        absl::StrCat("creating the Context's shared receive queue (",
+                     o.srq_depth, " receives): ", srq.status().message()));
+  }
+  auto* pool = new SrqPool();
+  pool->srq = std::move(*srq);
+  pool->capacity = o.srq_depth;
+  pool->slot_size = (size_t{o.srq_buffer_size} + 63) & ~size_t{63};
+  sh.srq_pool = pool;
+  return pool;
+}
+
+}  // namespace internal
+
+Context::SrqUsage Context::srq_usage() const {
+  SrqUsage u;
+  const internal::SrqPool* p = shared_->srq_pool;
+  if (p == nullptr) return u;
+  u.buffers = p->slots;
+  u.posted = p->srq->posted();
+  u.promised = p->committed;
+  u.bytes = size_t{p->slots} * p->slot_size;
+  return u;
+}
+
+namespace internal {
+
+absl::Status SrqPool::Reserve(uint32_t n, uint32_t limit, Context& ctx) {
+  while (Free() < n && !unposted.empty()) {
+    RecvSlot* s = unposted.back();
+    unposted.pop_back();
+    if (!Post(s)) break;
+  }
+  while (Free() < n) {
+    if (slots >= limit) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the shared receive queue is full: %d of %d receives promised "
+          "(ContextOptions::srq_depth)",
+          committed, capacity));
+    }
+    // Grow by at least 64 buffers (one registration each time).
+    uint32_t want = static_cast<uint32_t>(n - Free());
+    uint32_t count = std::min(limit - slots, std::max<uint32_t>(want, 64));
+    size_t bytes = (slot_size * count + 4095) & ~size_t{4095};
+    Chunk c;
+    c.mem = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
+    if (c.mem == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", bytes, " bytes of SRQ receive buffers"));
+    }
+    auto mr = ctx.pd().Register(c.mem, bytes, IBV_ACCESS_LOCAL_WRITE);
+    if (!mr.ok()) {
+      std::free(c.mem);
+      return absl::Status(mr.status().code(),
+                          absl::StrCat("registering SRQ receive buffers: ",
+                                       mr.status().message()));
+    }
+    c.mr = std::move(*mr);
+    c.slots.reset(new RecvSlot[count]);
+    slots += count;
+    for (uint32_t i = 0; i < count; ++i) {
+      RecvSlot& s = c.slots[i];
+      s.pool = this;
+      s.data = c.mem + i * slot_size;
+      s.lkey = c.mr.lkey();
+    }
+    RecvSlot* first = c.slots.get();
+    chunks.push_back(std::move(c));
+    for (uint32_t i = 0; i < count; ++i) {
+      if (!Post(first + i)) {
+        return absl::UnavailableError(
+            "posting receives to the shared receive queue failed");
+      }
+    }
+  }
+  committed += n;
+  return absl::OkStatus();
+}
+
+bool SrqPool::Post(RecvSlot* s) {
+  LocalBuffer b{s->data, static_cast<uint32_t>(slot_size), s->lkey};
+  absl::Status st = srq->PostRecv(s, std::span<const LocalBuffer>(&b, 1));
+  if (!st.ok()) {
+    std::fprintf(stderr, "coverbs: reposting an SRQ receive: %s\n",
+                 st.ToString().c_str());
+    unposted.push_back(s);
+    return false;
+  }
+  s->posted = true;
+  return true;
+}
+
+void SrqPool::OnRecv(RecvSlot* s, const ibv_wc& wc) {
+  s->posted = false;
+  auto it = by_qp.find(wc.qp_num);
+  // A completion of a connection that is gone (its QP was destroyed with
+  // the message already in the CQ) only gives the buffer back.
+  if (it != by_qp.end()) it->second->OnRecv(s, wc);
+  if (!s->posted && !s->held) Post(s);
+}
+
+void SrqPool::Release(RecvSlot* s) {
+  s->held = false;
+  --held;
+  if (detached) {
+    if (held == 0) delete this;
+    return;
+  }
+  auto it = conns.find(s->conn_id);
+  if (it != conns.end()) {
+    it->second->ReturnSlot(s);
+  } else {
+    Post(s);
+  }
+}
+
+absl::Status ConnectionImpl::InitSrq() {
+  auto pool = SrqPool::For(ctx_);
+  if (!pool.ok()) {
+    return absl::Status(pool.status().code(),
+                        absl::StrCat(name_, ": ", pool.status().message()));
+  }
+  if ((*pool)->slot_size < kHeaderSize + options_.rendezvous_threshold) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: SRQ receive buffers of %d bytes cannot hold eager messages of "
+        "%d bytes + the %d-byte header (raise "
+        "ContextOptions::srq_buffer_size or lower rendezvous_threshold)",
+        name_, (*pool)->slot_size, options_.rendezvous_threshold, kHeaderSize));
+  }
+  if (options_.srq_initial_credits == 0 ||
+      options_.srq_initial_credits > options_.recv_credits) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": srq_initial_credits must be in [1, recv_credits = ",
+        options_.recv_credits, "], got ", options_.srq_initial_credits));
+  }
+  absl::Status s = (*pool)->Reserve(
+      options_.srq_initial_credits + kCreditReserve + kCtsReserve,
+      (*pool)->capacity, ctx_);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(name_, ": ", s.message()));
+  }
+  pool_ = *pool;
+  pool_->conns[id_] = this;
+  pool_->by_qp[qp_->qp_num()] = this;
+  slot_size_ = pool_->slot_size;
+  initial_credits_ = options_.srq_initial_credits;
+  return absl::OkStatus();
 }
 
 absl::Status ConnectionImpl::Init() {
@@ -269,6 +545,12 @@ absl::Status ConnectionImpl::Init() {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, ": max_message_size must be in [1, ",
                      kMaxWireLength, "], got ", options_.max_message_size));
+  }
+  if (options_.use_srq) {
+    absl::Status s = InitSrq();
+    if (!s.ok()) return s;
+    outstanding_ = initial_credits_;
+    return InitAtomics();
   }
   // The ring: recv_credits for messages plus kCreditReserve for credit
   // messages, which are consumed at once and never count as credits.
@@ -296,6 +578,9 @@ absl::Status ConnectionImpl::Init() {
   ring->mr = std::move(*mr);
   ring->slots.resize(ring_slots_);
   ring_ = ring;
+  slot_size_ = ring->slot_size;
+  initial_credits_ = options_.recv_credits;
+  outstanding_ = initial_credits_;
   for (uint32_t i = 0; i < ring_slots_; ++i) {
     RecvSlot& s = ring->slots[i];
     s.ring = ring;
@@ -309,7 +594,10 @@ absl::Status ConnectionImpl::Init() {
                                        st.message()));
     }
   }
-  // Atomics results.
+  return InitAtomics();
+}
+
+absl::Status ConnectionImpl::InitAtomics() {
   constexpr uint32_t kAtomicSlots = 16;
   atomic_mem_ = std::make_unique<uint64_t[]>(kAtomicSlots);
   auto amr = ctx_.pd().Register(atomic_mem_.get(),
@@ -324,8 +612,9 @@ absl::Status ConnectionImpl::Init() {
 
 Handshake ConnectionImpl::LocalHandshake() const {
   Handshake h;
-  h.credits = options_.recv_credits;
-  h.recv_buffer_size = static_cast<uint32_t>(ring_ ? ring_->slot_size : 0);
+  h.credits = initial_credits_;
+  h.max_credits = options_.recv_credits;
+  h.recv_buffer_size = static_cast<uint32_t>(slot_size_);
   h.max_message_size = options_.max_message_size;
   const transport::DeviceCaps& caps = qp_->caps();
   if (caps.write_with_imm) h.caps |= kCapWriteWithImm;
@@ -419,6 +708,11 @@ void ConnectionImpl::FillHeader(WireHeader& h, MsgType type, uint32_t length,
   uint32_t give = std::min<uint32_t>(to_return_, 0xffff);
   h.credits = static_cast<uint16_t>(give);
   to_return_ -= give;
+  outstanding_ += give;
+  // Spending our last credit: tell a receiver that lends (SRQ) that we
+  // would use a larger window.
+  bool spends = type != kCredit && type != kCts;
+  if (spends && credits_.available() == 0) h.flags |= kFlagCreditLow;
   h.length = length;
   h.credit_acks = credit_msgs_seen_;
   h.cookie = cookie;
@@ -627,7 +921,7 @@ Task<void> ConnectionImpl::SendCreditMessage() {
       break;
     }
     // Keep going only if a lot accumulated meanwhile.
-    if (to_return_ < std::max<uint32_t>(1, options_.recv_credits / 4)) break;
+    if (to_return_ < ReturnThreshold()) break;
   }
   credit_msg_running_ = false;
   FailInternalSend(s, "a credit message");
@@ -635,16 +929,76 @@ Task<void> ConnectionImpl::SendCreditMessage() {
 
 void ConnectionImpl::MaybeSendCredits() {
   if (credit_msg_running_ || !status_.ok() || closing_ || !started_) return;
-  if (to_return_ < std::max<uint32_t>(1, options_.recv_credits / 4)) return;
+  if (to_return_ < ReturnThreshold()) return;
   if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
   credit_msg_running_ = true;
   SpawnInternal(SendCreditMessage());
 }
 
+uint32_t ConnectionImpl::ReturnThreshold() const {
+  // SRQ: a quarter of the current window, which may be as small as
+  // srq_initial_credits (a fixed quarter of recv_credits could exceed it
+  // and never be reached).
+  uint32_t window = pool_ != nullptr ? outstanding_ + to_return_ + held_
+                                     : options_.recv_credits;
+  return std::max<uint32_t>(1, window / 4);
+}
+
+bool ConnectionImpl::Spent(bool low) {
+  if (outstanding_ == 0) {
+    Protocol("a message arrived although the peer had no credit left");
+    return false;
+  }
+  --outstanding_;
+  if (pool_ != nullptr) {
+    --pool_->committed;
+    if (low) {
+      peer_low_ = true;
+      since_low_ = 0;
+    } else {
+      ++since_low_;
+    }
+  }
+  return true;
+}
+
+void ConnectionImpl::Replenish() {
+  if (pool_ == nullptr) {
+    ++to_return_;
+    return;
+  }
+  // Additive growth while the sender keeps running out; once a whole
+  // window of messages came without it running out, shrink by one per
+  // message until it does: the window settles where the sender just stops
+  // waiting. Giving back the one
+  // credit always fits (its receive was just posted again). Messages the
+  // application still holds count: each gives its credit back when freed.
+  uint32_t window = outstanding_ + to_return_ + held_;
+  uint32_t give = 1;
+  bool low = std::exchange(peer_low_, false);
+  if (low && window + 2 <= options_.recv_credits && pool_->CanLend(2, ctx_)) {
+    // CanLend promised both.
+    to_return_ += 2;
+    window_peak_ = std::max(window_peak_, window + 2);
+    return;
+  }
+  if (!low && window + 1 > initial_credits_ && since_low_ > window) {
+    give = 0;  // and again on the next message, until the sender runs low
+  }
+  to_return_ += give;
+  pool_->committed += give;
+}
+
 bool ConnectionImpl::Repost(RecvSlot* slot) {
-  LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
-                ring_->mr.lkey()};
-  absl::Status s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+  absl::Status s;
+  if (pool_ != nullptr) {
+    if (pool_->Post(slot)) return true;
+    s = absl::UnavailableError("the shared receive queue refused it");
+  } else {
+    LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
+                  ring_->mr.lkey()};
+    s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+  }
   if (!s.ok()) {
     Fail(absl::UnavailableError(
         absl::StrCat("connection lost: reposting a receive: ", s.message())));
@@ -654,9 +1008,14 @@ bool ConnectionImpl::Repost(RecvSlot* slot) {
 }
 
 void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
-  if (!status_.ok() || qp_->in_error()) return;  // the ring is finished
+  if (pool_ != nullptr) --held_;
+  if (!status_.ok() || qp_->in_error()) {
+    // The ring is finished; an SRQ buffer serves the other connections.
+    if (pool_ != nullptr) pool_->Post(slot);
+    return;
+  }
   if (!Repost(slot)) return;
-  ++to_return_;
+  Replenish();
   MaybeSendCredits();
 }
 
@@ -702,7 +1061,10 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
                                cookie));
       return;
     }
-    ReturnSlot(slot);  // nothing to keep: repost now
+    // In place of a DONE: spends a credit (no header, so no low flag).
+    if (!Spent(false)) return;
+    // Nothing to keep: repost now.
+    if (!qp_->in_error() && Repost(slot)) Replenish();
     Pump();
     MaybeSendCredits();
     return;
@@ -714,7 +1076,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
   }
   WireHeader h;
   std::memcpy(&h, slot->data, kHeaderSize);
-  absl::Status v = ValidateHeader(h, wc.byte_len, ring_->slot_size);
+  absl::Status v = ValidateHeader(h, wc.byte_len, slot_size_);
   if (!v.ok()) {
     Protocol(v.message());
     return;
@@ -727,17 +1089,20 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
     return;
   }
   if (h.credits > 0) {
-    if (credits_.available() + h.credits > peer_.handshake.credits) {
+    if (credits_.available() + h.credits > peer_.handshake.max_credits) {
       Protocol(absl::StrFormat("returned %d credits beyond the %d announced",
-                               h.credits, peer_.handshake.credits));
+                               h.credits, peer_.handshake.max_credits));
       return;
     }
     credits_.Release(h.credits);
   }
+  if (h.type != kCredit && h.type != kCts &&
+      !Spent((h.flags & kFlagCreditLow) != 0)) {
+    return;
+  }
   auto consume = [&] {
     // Internal messages give their slot back at once.
-    ++to_return_;
-    Repost(slot);
+    if (Repost(slot)) Replenish();
   };
   switch (h.type) {
     case kData: {
@@ -747,7 +1112,14 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       in.msg.data_ = slot->data + kHeaderSize;
       in.msg.size_ = h.length;
       in.msg.owner_ = slot;
-      ++ring_->held;
+      if (pool_ != nullptr) {
+        slot->held = true;
+        slot->conn_id = id_;
+        ++pool_->held;
+        ++held_;
+      } else {
+        ++ring_->held;
+      }
       incoming_.push_back(std::move(in));
       Pump();
       break;
@@ -1217,6 +1589,14 @@ ConnectionImpl::~ConnectionImpl() {
     ring_->conn = nullptr;
     ring_->MaybeDelete();
   }
+  if (pool_ != nullptr) {
+    // Held messages return their buffers to the pool, not to us.
+    pool_->conns.erase(id_);
+    auto it = pool_->by_qp.find(qp_num_);
+    if (it != pool_->by_qp.end() && it->second == this) pool_->by_qp.erase(it);
+    pool_->committed -=
+        outstanding_ + to_return_ + kCreditReserve + kCtsReserve;
+  }
 }
 
 }  // namespace internal
@@ -1348,9 +1728,14 @@ transport::QueuePair& Connection::qp() const { return impl_->qp(); }
 const std::string& Connection::name() const { return impl_->name(); }
 Connection::Stats Connection::stats() const { return impl_->stats(); }
 
-transport::QpOptions Connection::QpOptionsFor(Context& ctx,
-                                              const ConnectionOptions& o) {
+absl::StatusOr<transport::QpOptions> Connection::QpOptionsFor(
+    Context& ctx, const ConnectionOptions& o) {
   transport::QpOptions q = o.qp;
+  if (o.use_srq) {
+    auto pool = internal::SrqPool::For(ctx);
+    if (!pool.ok()) return pool.status();
+    q.srq = (*pool)->srq->provider();
+  }
   const transport::DeviceCaps& caps = ctx.device().caps();
   // The send queue only bounds how much is posted at once (the QueuePair
   // queues the rest); credits bound what the peer must absorb.
@@ -1371,11 +1756,6 @@ transport::QpOptions Connection::QpOptionsFor(Context& ctx,
 absl::StatusOr<std::unique_ptr<Connection>> Connection::CreateUnstarted(
     Context& ctx, std::unique_ptr<transport::QueuePair> qp,
     const ConnectionOptions& o, bool active_side) {
-  if (o.use_srq) {
-    return absl::UnimplementedError(
-        "ConnectionOptions::use_srq: shared receive queues are not "
-        "supported by the messaging layer yet");
-  }
   auto impl = std::make_shared<internal::ConnectionImpl>(ctx, std::move(qp), o,
                                                          active_side);
   absl::Status s = impl->Init();

@@ -50,7 +50,8 @@
 namespace coverbs::cm {
 
 struct ConnectionOptions {
-  // Receives posted for this connection = credits the peer gets.
+  // Receives posted for this connection = credits the peer gets. With
+  // use_srq: the most the peer may hold (its window grows toward this).
   uint32_t recv_credits = 64;
   // Payloads up to this size go eagerly (SEND/RECV); above, by rendezvous.
   size_t rendezvous_threshold = 8 * 1024;
@@ -61,8 +62,15 @@ struct ConnectionOptions {
   // its Context's CQ (ContextOptions::cq_entries).
   uint32_t send_depth = 64;
   // Receive through the Context's shared receive queue instead of a
-  // per-connection ring (servers with many mostly idle connections).
+  // per-connection ring (servers with many mostly idle connections; needs
+  // ContextOptions::srq_depth > 0). The connection starts with
+  // srq_initial_credits receives promised in the SRQ (plus 6 reserve
+  // receives); while the peer keeps running out of credits its window grows
+  // toward recv_credits from receives nobody was promised, and it shrinks
+  // back once the peer stops running out. Connecting or accepting fails
+  // with ResourceExhausted when srq_depth cannot promise the initial grant.
   bool use_srq = false;
+  uint32_t srq_initial_credits = 4;
   // Bound on Close()'s drain and disconnect.
   absl::Duration close_timeout = absl::Seconds(5);
   // QP tuning passed through (depths above are applied on top).
@@ -166,13 +174,20 @@ class Connection {
     uint64_t rendezvous_sent = 0, rendezvous_received = 0;
     uint64_t credit_messages_sent = 0;
     uint64_t credit_waits = 0;  // sends that waited for a credit
+    // Credits the peer may hold now (announced or owed, not yet spent), and
+    // the most it ever could. Fixed at recv_credits without an SRQ (less
+    // what Messages hold); with use_srq it starts at srq_initial_credits
+    // and follows the peer's demand.
+    uint32_t recv_window = 0;
+    uint32_t recv_window_peak = 0;
   };
   Stats stats() const;
 
   // --- Internal: used by the connection-establishment code (cm/*.cc).
   // QP options a connection with `o` needs (depths, SRQ).
-  static transport::QpOptions QpOptionsFor(Context& ctx,
-                                           const ConnectionOptions& o);
+  // Creates the Context's SRQ on first use.
+  static absl::StatusOr<transport::QpOptions> QpOptionsFor(
+      Context& ctx, const ConnectionOptions& o);
   // Wraps a not yet connected QP (INIT; receives may be posted) and posts the
   // receive ring so the credits in LocalHandshake() are real before the peer
   // can send.

@@ -35,7 +35,10 @@ struct ContextOptions {
   // ReactorPool so one MemoryRegion serves all connections). Not owned.
   transport::ProtectionDomain* pd = nullptr;
   // Shared receive queue for every connection of this context that asks
-  // for it (ConnectionOptions::use_srq). 0 = no SRQ.
+  // for it (ConnectionOptions::use_srq): at most srq_depth receives of
+  // srq_buffer_size bytes (which must hold 16 + rendezvous_threshold),
+  // posted as connections need them. The SRQ reserves srq_depth entries of
+  // the CQ (cq_entries). 0 = no SRQ.
   uint32_t srq_depth = 0;
   uint32_t srq_buffer_size = 8192 + 64;
   // Rendezvous receive memory kept mapped for reuse after its message is
@@ -57,6 +60,16 @@ class Context {
   transport::CompletionQueue& cq() const { return *cq_; }
   transport::RegistrationCache& registrations() { return *reg_cache_; }
   const ContextOptions& options() const { return options_; }
+
+  // The shared receive queue (ConnectionOptions::use_srq); zeros before
+  // the first connection that uses it.
+  struct SrqUsage {
+    uint32_t buffers = 0;   // allocated (and registered), <= srq_depth
+    uint32_t posted = 0;    // of those, posted in the SRQ now
+    int64_t promised = 0;   // receives promised to connections
+    size_t bytes = 0;       // memory of the buffers
+  };
+  SrqUsage srq_usage() const;
 
   // verbs only (nullptr on soft); created on first use.
   absl::StatusOr<internal::CmEventChannel*> cm_events();

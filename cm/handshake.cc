@@ -36,7 +36,7 @@ absl::StatusOr<std::string> EncodeHandshake(const Handshake& h) {
   Put<uint32_t>(out, 8, h.caps);
   Put<uint32_t>(out, 12, h.credits);
   Put<uint32_t>(out, 16, h.recv_buffer_size);
-  Put<uint32_t>(out, 20, 0);
+  Put<uint32_t>(out, 20, h.max_credits != 0 ? h.max_credits : h.credits);
   Put<uint64_t>(out, 24, h.max_message_size);
   std::memcpy(out.data() + kHandshakeSize, h.app_data.data(),
               h.app_data.size());
@@ -76,10 +76,16 @@ absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> d) {
   h.caps = Get<uint32_t>(d, 8);
   h.credits = Get<uint32_t>(d, 12);
   h.recv_buffer_size = Get<uint32_t>(d, 16);
+  h.max_credits = Get<uint32_t>(d, 20);
   h.max_message_size = Get<uint64_t>(d, 24);
   if (h.credits == 0 || h.credits > 16384) {
     return absl::InvalidArgumentError(
         absl::StrFormat("handshake: %d receive credits", h.credits));
+  }
+  if (h.max_credits < h.credits || h.max_credits > 16384) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("handshake: at most %d credits, but %d granted",
+                        h.max_credits, h.credits));
   }
   if (h.recv_buffer_size <= internal::kHeaderSize) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -8,9 +8,12 @@
 //   4  u16 version          kProtocolVersion
 //   6  u16 app_data_len
 //   8  u32 caps             Capability bits
-//  12  u32 credits          receives the sender has posted for this connection
+//  12  u32 credits          credits granted at the start (receives posted for
+//                           this connection, or reserved for it in an SRQ)
 //  16  u32 recv_buffer_size bytes per posted receive (header included)
-//  20  u32 reserved (0)
+//  20  u32 max_credits      most credits the peer may ever hold at once
+//                           (>= credits; above credits only with an SRQ,
+//                           whose receiver lends more to a busy sender)
 //  24  u64 max_message_size largest message the sender accepts
 //  32  app data
 // IB limits connect private data to 56 bytes, hence kMaxAppData = 24.
@@ -32,7 +35,9 @@ namespace coverbs::cm {
 inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 inline constexpr uint32_t kRejectMagic = 0x52425643;     // "CVBR"
 // 2: CTS travels in reserved receives, without credits (cm/wire.h).
-inline constexpr uint16_t kProtocolVersion = 2;
+// 3: max_credits (credits may grow past the initial grant) and the
+//    kFlagCreditLow header flag, for receivers with a shared receive queue.
+inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 inline constexpr size_t kMaxRejectReason = 140;
@@ -46,6 +51,7 @@ struct Handshake {
   uint16_t version = kProtocolVersion;
   uint32_t caps = 0;
   uint32_t credits = 0;
+  uint32_t max_credits = 0;  // 0 when encoding: = credits
   uint32_t recv_buffer_size = 0;
   uint64_t max_message_size = 0;
   std::string app_data;  // <= kMaxAppData bytes
@@ -55,8 +61,8 @@ struct Handshake {
 absl::StatusOr<std::string> EncodeHandshake(const Handshake& h);
 // Validates every field: short/garbage data and a bad magic give
 // InvalidArgument; another protocol version gives FailedPrecondition naming
-// both versions; zero credits or a receive buffer smaller than a message
-// header give InvalidArgument.
+// both versions; zero credits, max_credits below credits or a receive
+// buffer smaller than a message header give InvalidArgument.
 absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> data);
 
 std::string EncodeReject(std::string_view reason);

@@ -254,7 +254,9 @@ class SoftLink final : public internal::Link {
 // anything is sent to the peer.
 absl::StatusOr<std::unique_ptr<Connection>> NewSoftConnection(
     Context& ctx, const ConnectionOptions& o, bool active) {
-  transport::QpOptions qo = Connection::QpOptionsFor(ctx, o);
+  auto qos = Connection::QpOptionsFor(ctx, o);
+  if (!qos.ok()) return qos.status();
+  const transport::QpOptions& qo = *qos;
   auto pqp = transport::soft::CreateQp(ctx.pd().provider(), InitFor(ctx, qo));
   if (!pqp.ok()) return pqp.status();
   auto qp = transport::QueuePair::Adopt(std::move(*pqp), ctx.cq(), qo);
@@ -427,7 +429,9 @@ absl::StatusOr<std::unique_ptr<Connection>> NewVerbsConnection(
         id->id()->verbs ? ibv_get_device_name(id->id()->verbs->device) : "?",
         ", not on the context's device ", ctx.device().name()));
   }
-  transport::QpOptions qo = Connection::QpOptionsFor(ctx, o);
+  auto qos = Connection::QpOptionsFor(ctx, o);
+  if (!qos.ok()) return qos.status();
+  const transport::QpOptions& qo = *qos;
   *init_out = InitFor(ctx, qo);
   auto pqp = transport::CreateQpOnCmId(id->id(), ctx.pd().provider(),
                                        *init_out, id);

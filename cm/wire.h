@@ -24,6 +24,10 @@ inline constexpr uint8_t kMaxMsgType = kGoodbye;
 
 inline constexpr uint8_t kFlagRefused = 1;  // kCts: no buffer for this size
 inline constexpr uint8_t kFlagAborted = 2;  // kDone: the sender gave up
+// Any credit-spending message: it spent the sender's last credit (protocol
+// version 3). A receiver lending credits from a shared receive queue grows
+// that sender's window; one without an SRQ ignores it.
+inline constexpr uint8_t kFlagCreditLow = 4;
 
 struct WireHeader {
   uint8_t type;
@@ -91,7 +95,7 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
             payload));
       }
   }
-  if (h.flags & ~(kFlagRefused | kFlagAborted)) {
+  if (h.flags & ~(kFlagRefused | kFlagAborted | kFlagCreditLow)) {
     return absl::DataLossError(absl::StrFormat("unknown flags 0x%x", h.flags));
   }
   return absl::OkStatus();

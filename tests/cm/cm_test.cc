@@ -55,6 +55,13 @@ inline absl::Status StatusOf(const absl::Status& s) { return s; }
       co_return;                                            \
     }                                                       \
   } while (0)
+#define CO_ASSERT_TRUE(cond)               \
+  do {                                     \
+    if (!(cond)) {                         \
+      ADD_FAILURE() << "false: " << #cond; \
+      co_return;                           \
+    }                                      \
+  } while (0)
 
 std::vector<std::string> Providers() {
   const char* env = std::getenv("COVERBS_PROVIDER");
@@ -164,6 +171,16 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     p.client = *std::move(c);
     p.server = *std::move(accepted);
     co_return p;
+  }
+
+  // Replaces a context with one that has a shared receive queue.
+  absl::Status UseSrq(std::unique_ptr<Context>& ctx, uint32_t depth) {
+    ContextOptions o;
+    o.srq_depth = depth;
+    auto c = Context::Create(*reactor_, *device_, o);
+    if (!c.ok()) return c.status();
+    ctx = *std::move(c);
+    return absl::OkStatus();
   }
 
   std::unique_ptr<Reactor> reactor_;
@@ -890,6 +907,236 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
     co_await p->client->Close();
     co_await p->server->Close();
   }(this, path));
+}
+
+// --- Shared receive queue (ConnectionOptions::use_srq).
+
+TEST_P(CmTest, SrqBothSidesMessagesOfEverySizeAndAMessageOutlivesIt) {
+  Run(
+      [](CmTest* t) -> Task<void> {
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, 256));
+        CO_ASSERT_OK(t->UseSrq(t->client_ctx_, 256));
+        ConnectOptions co;
+        co.connection.use_srq = true;
+        co.connection.qp.rnr_retry = 0;  // any RNR fails the connection
+        ListenerOptions lo;
+        lo.connection.use_srq = true;
+        lo.connection.qp.rnr_retry = 0;
+        auto p = co_await t->MakePair(co, lo);
+        CO_ASSERT_OK(p);
+        EXPECT_EQ(p->server->peer().handshake.credits, 4u);
+        EXPECT_EQ(p->server->peer().handshake.max_credits, 64u);
+        size_t thr = ConnectionOptions().rendezvous_threshold;
+        std::vector<size_t> sizes = {1, 4096, thr - 1, thr, thr + 1, 1u << 20};
+        uint8_t seed = 0;
+        for (size_t n : sizes) {
+          auto data = Pattern(n, ++seed);
+          CO_ASSERT_OK(co_await p->client->Send(data));
+          auto m = co_await p->server->Recv();
+          CO_ASSERT_OK(m);
+          EXPECT_TRUE(Same(m->data(), data)) << "size " << n;
+          CO_ASSERT_OK(co_await p->server->Send(m->data()));
+          auto back = co_await p->client->Recv();
+          CO_ASSERT_OK(back);
+          EXPECT_TRUE(Same(back->data(), data)) << "echo of size " << n;
+        }
+        // A message received through the SRQ stays intact after its
+        // connection is gone; releasing it then reposts its buffer.
+        auto last = Pattern(100, 99);
+        CO_ASSERT_OK(co_await p->client->Send(last));
+        auto kept = co_await p->server->Recv();
+        CO_ASSERT_OK(kept);
+        CO_ASSERT_OK(co_await p->client->Close());
+        co_await p->server->Close();
+        p->server.reset();
+        p->client.reset();
+        EXPECT_TRUE(Same(kept->data(), last));
+        *kept = Message();
+        // The SRQ serves the next connection.
+        auto q = co_await t->MakePair(co, lo);
+        CO_ASSERT_OK(q);
+        CO_ASSERT_OK(co_await q->client->Send(last));
+        auto m = co_await q->server->Recv();
+        CO_ASSERT_OK(m);
+        EXPECT_TRUE(Same(m->data(), last));
+        CO_ASSERT_OK(co_await q->client->Close());
+        co_await q->server->Close();
+      }(this),
+      absl::Seconds(120));
+}
+
+TEST_P(CmTest, SrqWindowGrowsForABusySenderAndShrinksWhenItIsNot) {
+  Run(
+      [](CmTest* t) -> Task<void> {
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, 512));
+        ConnectOptions co;
+        co.connection.qp.rnr_retry = 0;
+        ListenerOptions lo;
+        lo.connection.use_srq = true;
+        lo.connection.recv_credits = 32;
+        lo.connection.srq_initial_credits = 2;
+        lo.connection.qp.rnr_retry = 0;
+        auto p = co_await t->MakePair(co, lo);
+        CO_ASSERT_OK(p);
+        EXPECT_EQ(p->server->stats().recv_window, 2u);
+        // 1,000 messages ahead of a receiver that keeps up: the sender
+        // runs out of its 2 credits, so the window grows (never past 32).
+        constexpr int kMsgs = 1000;
+        WaitGroup wg;
+        int failures = 0;
+        for (int i = 0; i < kMsgs; ++i) {
+          wg.Add();
+          auto one = [](Connection* c, int i, WaitGroup* wg,
+                        int* failures) -> Task<void> {
+            uint32_t v = i;
+            auto s = co_await c->Send(std::as_bytes(std::span(&v, 1)));
+            if (!s.ok()) ++*failures;
+            wg->Done();
+          };
+          t->reactor_->Spawn(one(p->client.get(), i, &wg, &failures));
+        }
+        for (int i = 0; i < kMsgs; ++i) {
+          if (i % 100 == 0) co_await t->reactor_->Sleep(absl::Milliseconds(2));
+          auto m = co_await p->server->Recv();
+          CO_ASSERT_OK(m);
+          uint32_t v;
+          std::memcpy(&v, m->data().data(), 4);
+          EXPECT_EQ(v, static_cast<uint32_t>(i));
+        }
+        co_await wg.Wait();
+        EXPECT_EQ(failures, 0);
+        Connection::Stats grown = p->server->stats();
+        EXPECT_GT(grown.recv_window_peak, 2u);
+        EXPECT_LE(grown.recv_window_peak, 32u);
+        // One message at a time, each answered: the sender rarely runs out
+        // (only when a credit has not come back yet), so the window shrinks
+        // back to about the initial grant.
+        for (int i = 0; i < 400; ++i) {
+          uint32_t v = i;
+          CO_ASSERT_OK(
+              co_await p->client->Send(std::as_bytes(std::span(&v, 1))));
+          auto m = co_await p->server->Recv();
+          CO_ASSERT_OK(m);
+          CO_ASSERT_OK(co_await p->server->Send(m->data()));
+          auto r = co_await p->client->Recv();
+          CO_ASSERT_OK(r);
+        }
+        EXPECT_LE(p->server->stats().recv_window, 4u)
+            << "peak was " << grown.recv_window_peak;
+        EXPECT_GE(p->server->stats().recv_window, 2u);
+        EXPECT_TRUE(p->client->status().ok()) << p->client->status();
+        EXPECT_TRUE(p->server->status().ok()) << p->server->status();
+        co_await p->client->Close();
+        co_await p->server->Close();
+      }(this),
+      absl::Seconds(120));
+}
+
+TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
+  Run(
+      [](CmTest* t) -> Task<void> {
+        // Each connection is promised 4 credits + 6 reserve receives.
+        constexpr int kConns = 8;
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, kConns * 10));
+        ListenerOptions lo;
+        lo.connection.use_srq = true;
+        lo.connection.recv_credits = 8;
+        lo.connection.send_depth = 8;
+        lo.connection.qp.rnr_retry = 0;
+        ConnectOptions co;
+        co.connection.recv_credits = 8;
+        co.connection.send_depth = 8;
+        co.connection.qp.rnr_retry = 0;
+        auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
+        CO_ASSERT_OK(ln);
+        std::vector<std::unique_ptr<Connection>> servers, clients;
+        auto acc = [](Listener* l, std::vector<std::unique_ptr<Connection>>* v,
+                      WaitGroup* wg) -> Task<void> {
+          auto c = co_await l->Accept();
+          if (c.ok()) v->push_back(*std::move(c));
+          wg->Done();
+        };
+        for (int i = 0; i < kConns; ++i) {
+          WaitGroup wg;
+          wg.Add();
+          t->reactor_->Spawn(acc(ln->get(), &servers, &wg));
+          auto c =
+              co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+          CO_ASSERT_OK(c);
+          co_await wg.Wait();
+          clients.push_back(*std::move(c));
+        }
+        CO_ASSERT_TRUE(servers.size() == static_cast<size_t>(kConns));
+        Context::SrqUsage u = t->server_ctx_->srq_usage();
+        EXPECT_EQ(u.promised, kConns * 10);
+        EXPECT_EQ(u.buffers, static_cast<uint32_t>(kConns * 10));
+        EXPECT_EQ(u.posted, u.buffers);  // nothing held by Messages
+        EXPECT_EQ(u.bytes, u.buffers * size_t{8192 + 64});
+        // Full: the next peer is rejected with the reason (the acceptor
+        // goes on and takes the connection made after a close below).
+        WaitGroup wg;
+        wg.Add();
+        t->reactor_->Spawn(acc(ln->get(), &servers, &wg));
+        auto extra =
+            co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+        CO_ASSERT_TRUE(!extra.ok());
+        EXPECT_NE(std::string(extra.status().message())
+                      .find("shared receive queue is full"),
+                  std::string::npos)
+            << extra.status();
+        EXPECT_EQ((*ln)->stats().rejected, 1u);
+        // Every connection works, each with its own messages.
+        for (int i = 0; i < kConns; ++i) {
+          auto data = Pattern(64 + i, static_cast<uint8_t>(i));
+          CO_ASSERT_OK(co_await clients[i]->Send(data));
+        }
+        for (int i = 0; i < kConns; ++i) {
+          auto m = co_await servers[i]->Recv();
+          CO_ASSERT_OK(m);
+          EXPECT_TRUE(
+              Same(m->data(), Pattern(64 + i, static_cast<uint8_t>(i))));
+        }
+        // Closing one gives its receives back: a new peer gets in.
+        CO_ASSERT_OK(co_await clients[0]->Close());
+        co_await servers[0]->Close();
+        servers[0].reset();
+        auto again =
+            co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+        CO_ASSERT_OK(again);
+        co_await wg.Wait();
+        CO_ASSERT_TRUE(servers.size() == static_cast<size_t>(kConns + 1));
+        EXPECT_EQ(t->server_ctx_->srq_usage().promised, kConns * 10);
+        auto hi = Pattern(10, 7);
+        CO_ASSERT_OK(co_await (*again)->Send(hi));
+        auto m = co_await servers.back()->Recv();
+        CO_ASSERT_OK(m);
+        EXPECT_TRUE(Same(m->data(), hi));
+        clients.push_back(*std::move(again));
+        for (auto& c : clients) co_await c->Close();
+        for (auto& s : servers) {
+          if (s) co_await s->Close();
+        }
+        (*ln)->Close();
+      }(this),
+      absl::Seconds(120));
+}
+
+TEST_P(CmTest, SrqNeedsAContextWithOne) {
+  Run([](CmTest* t) -> Task<void> {
+    ListenerOptions lo;
+    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
+    CO_ASSERT_OK(ln);
+    ConnectOptions co;
+    co.connection.use_srq = true;  // client_ctx_ has no SRQ
+    auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+    CO_ASSERT_TRUE(!c.ok());
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition)
+        << c.status();
+    EXPECT_NE(std::string(c.status().message()).find("srq_depth"),
+              std::string::npos)
+        << c.status();
+    (*ln)->Close();
+  }(this));
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, CmTest, ::testing::ValuesIn(Providers()),

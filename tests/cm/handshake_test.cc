@@ -31,6 +31,7 @@ TEST(Handshake, RoundTrips) {
   auto d = DecodeHandshake(B(*enc));
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->credits, 64u);
+  EXPECT_EQ(d->max_credits, 64u);  // unset: the initial grant
   EXPECT_EQ(d->recv_buffer_size, 8256u);
   EXPECT_EQ(d->max_message_size, 64ull << 20);
   EXPECT_EQ(d->caps, kCapWriteWithImm);
@@ -38,6 +39,16 @@ TEST(Handshake, RoundTrips) {
   // Transports may pad private data.
   std::string padded = *enc + std::string(20, '\0');
   EXPECT_TRUE(DecodeHandshake(B(padded)).ok());
+}
+
+TEST(Handshake, CarriesAWindowAboveTheInitialGrant) {
+  Handshake h = Valid();
+  h.credits = 4;
+  h.max_credits = 64;
+  auto d = DecodeHandshake(B(*EncodeHandshake(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->credits, 4u);
+  EXPECT_EQ(d->max_credits, 64u);
 }
 
 TEST(Handshake, RejectsTooMuchAppData) {
@@ -73,6 +84,14 @@ TEST(Handshake, RejectsBadFields) {
   Handshake z = Valid();
   z.credits = 0;
   EXPECT_FALSE(DecodeHandshake(B(*EncodeHandshake(z))).ok());
+  z = Valid();
+  z.max_credits = 63;  // below the initial grant
+  auto below = DecodeHandshake(B(*EncodeHandshake(z)));
+  EXPECT_EQ(below.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(below.status().message())
+                .find("at most 63 credits, but 64 granted"),
+            std::string::npos)
+      << below.status();
   z = Valid();
   z.recv_buffer_size = 8;
   EXPECT_FALSE(DecodeHandshake(B(*EncodeHandshake(z))).ok());
