@@ -116,7 +116,10 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
       std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
       auto f = p.get_future();
       pool_->Post(i, [&, i]() {
-        p.set_value(cm::Context::Create(pool_->reactor(i), *device_));
+        // The SRQ is created only for connections that ask for it.
+        cm::ContextOptions co;
+        co.srq_depth = 1024;
+        p.set_value(cm::Context::Create(pool_->reactor(i), *device_, co));
       });
       auto ctx = f.get();
       ASSERT_TRUE(ctx.ok()) << ctx.status();
@@ -258,7 +261,8 @@ TEST_P(RpcTest, EchoAcrossSizes) {
 
 // 10,000 echo calls from 256 coroutines sharing one connection; every
 // `large_every`-th request (0: none) goes by rendezvous.
-void PipelinedEcho(RpcTest* t, int large_every);
+// `server_credits`: the initial grant the server must announce (0: any).
+void PipelinedEcho(RpcTest* t, int large_every, uint32_t server_credits = 0);
 
 TEST_P(RpcTest, TenThousandPipelinedCallsWith256InFlight) {
   StartServer();
@@ -273,11 +277,25 @@ TEST_P(RpcTest, PipelinedCallsWithLargePayloads) {
   PipelinedEcho(this, 97);
 }
 
-void PipelinedEcho(RpcTest* test, int large_every) {
-  test->Run([](RpcTest* t, int large_every) -> Task<void> {
+// The same through a server whose connections receive from their
+// Context's shared receive queue: credit windows start at 4 and grow.
+TEST_P(RpcTest, PipelinedCallsThroughAnSrqServer) {
+  ServerOptions o;
+  o.listener.connection.use_srq = true;
+  o.listener.connection.qp.rnr_retry = 0;  // any RNR fails the connection
+  StartServer(std::move(o));
+  PipelinedEcho(this, 97, 4);
+}
+
+void PipelinedEcho(RpcTest* test, int large_every, uint32_t server_credits) {
+  test->Run([](RpcTest* t, int large_every,
+               uint32_t server_credits) -> Task<void> {
     auto c = co_await t->NewClient();
     CO_ASSERT_OK(c);
     Client* client = *c;
+    if (server_credits != 0) {
+      EXPECT_EQ(client->connection().peer().handshake.credits, server_credits);
+    }
     const int kCalls = 10000, kDepth = 256;
     int next = 0, ok = 0, max_in_flight = 0;
     WaitGroup wg;
@@ -309,7 +327,7 @@ void PipelinedEcho(RpcTest* test, int large_every) {
     EXPECT_EQ(ok, kCalls);
     EXPECT_EQ(max_in_flight, kDepth);
     CO_ASSERT_OK(co_await client->Close());
-  }(test, large_every));
+  }(test, large_every, server_credits));
 }
 
 TEST_P(RpcTest, UnknownMethodIsNotFound) {
