@@ -12,8 +12,9 @@ namespace coverbs::transport {
 absl::StatusOr<std::unique_ptr<CompletionQueue>> CompletionQueue::Create(
     Device& device, Reactor& reactor, int cqe) {
   if (cqe <= 0) {
-    // 4096 serves eight 256+256 QPs. Larger default CQs made rdma_create_qp
-    // fail with EINVAL on siw (Linux 6.1) although the CQ itself was created.
+    // 4096 serves eight 256+256 QPs. (Larger CQs once made rdma_create_qp
+    // fail with EINVAL on siw: a mapping at offset 0x90000, which the verbs
+    // provider now reserves; see PlugSiwMmapOffset.)
     cqe = static_cast<int>(std::min<uint32_t>(
         device.caps().max_cqe ? device.caps().max_cqe : 4096, 4096));
   }

@@ -7,17 +7,20 @@
 #include <infiniband/verbs.h>
 #include <net/if.h>
 #include <rdma/rdma_cma.h>
+#include <rdma/siw-abi.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -214,6 +217,36 @@ uint32_t ProbeMaxInline(const Device& dev) {
   return result;
 }
 
+// SoftiWARP: libsiw (rdma-core 44, Debian 12) takes a queue mapped at offset
+// SIW_INVAL_UOBJ_KEY (0x90000, the old ABI's "no mapping" key) for a
+// failure, but Linux 6.1's siw hands out mmap offsets page by page per
+// ibv_context, first fit, and 0x90000 is simply the 145th page. The QP, CQ
+// or SRQ whose queue lands there fails (libsiw destroys it; errno 0, so
+// rdma_create_qp says EINVAL), and so does every later one, as that page is
+// then the first free one again: with two 4096-entry CQs the 40th QP of the
+// process failed, and larger CQs made it sooner. A CQ whose queue covers the
+// offset, made before anything else on the context and kept for the life of
+// the process (the context is librdmacm's and lives as long), takes the
+// offset for good: 1 MiB of memory; 600 QPs were created after it in the VM
+// (39 before). The CQs are kept here so that they stay reachable.
+void PlugSiwMmapOffset(ibv_context* ctx, const std::string& name) {
+  static std::mutex mu;
+  static auto* plugs = new std::map<ibv_context*, ibv_cq*>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (plugs->count(ctx) != 0) return;
+  constexpr int kCqe = static_cast<int>((SIW_INVAL_UOBJ_KEY + 2 * 4096) /
+                                        sizeof(struct siw_cqe));
+  ibv_cq* cq = ibv_create_cq(ctx, kCqe, nullptr, nullptr, 0);
+  if (cq == nullptr) {
+    std::fprintf(stderr,
+                 "coverbs: %s: could not reserve siw's mmap offset 0x%x "
+                 "(ibv_create_cq(%d): %s); QP creation may fail once about "
+                 "40 QPs exist\n",
+                 name.c_str(), SIW_INVAL_UOBJ_KEY, kCqe, std::strerror(errno));
+  }
+  (*plugs)[ctx] = cq;
+}
+
 // ---------------------------------------------------------------- open
 
 struct DeviceList {
@@ -382,6 +415,9 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
       iwarp && dev->attr.vendor_id == kSiwVendorId;
   if (caps.transport == TransportKind::kRoCE) {
     if (absl::Status s = ChooseGid(*dev, options); !s.ok()) return s;
+  }
+  if (iwarp && dev->attr.vendor_id == kSiwVendorId) {
+    PlugSiwMmapOffset(dev->ctx, dev->name);  // before any other object
   }
   caps.max_inline_data = ProbeMaxInline(*dev);
 
