@@ -21,6 +21,8 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <memory>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -441,6 +443,31 @@ absl::StatusOr<std::unique_ptr<Connection>> NewVerbsConnection(
   return Connection::CreateUnstarted(ctx, std::move(*qp), o, active);
 }
 
+// rdma_connect on iWARP makes the TCP connection inside the call (siw: a
+// blocking kernel_connect). On the reactor thread that wait is interrupted
+// by the thread's own io_uring completions (their task work makes a signal
+// pending): siw aborts the half-made TCP connection and the syscall restarts
+// -- and siw's listener, which sees the aborted socket before accepting it,
+// frees its listening endpoint, so every later connect to that port is
+// refused (VM, Linux 6.1, siw dynamic debug: "kernel_bindconnect: error
+// -512", then "siw_accept_newconn: error -103" and the listening CEP freed;
+// the restarted call then binds the same source port: EADDRNOTAVAIL). A
+// thread without a ring makes the call; the reactor goes on meanwhile.
+struct OffReactorConnect {
+  int rc = 0;
+  int err = 0;
+  bool done = false;  // set on the reactor thread
+  Event finished;
+};
+// Joins in the waiting frame, also when it is destroyed mid-call (reactor
+// teardown), so the call never outlives the id it uses.
+struct JoinOnExit {
+  std::thread thread;
+  ~JoinOnExit() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
 Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     Context& ctx, std::unique_ptr<ConnectArgs> args) {
   const std::string& address = args->address;
@@ -456,13 +483,12 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   std::unique_ptr<Connection> conn;
   transport::QpInit init;
   absl::StatusOr<CmEvent> ev;
-  // siw: rdma_connect fails at once with ECONNREFUSED while the listener is
-  // busy with another connection's setup (ten concurrent connects: one goes
-  // through, nine are refused, round after round), and now and then with
-  // EADDRNOTAVAIL; a fresh id and QP a little later connect. So both are
-  // retried, with a growing, jittered pause, until the connect deadline: on
-  // iWARP a port with no listener therefore fails only at connect_timeout.
-  // (IB/RoCE report a refusal later, as REJECTED, and are not retried.)
+  // iWARP: an EADDRNOTAVAIL from rdma_connect (the TCP source port rdma_cm
+  // chose is still taken) is retried with a fresh id and QP after a
+  // growing, jittered pause until the connect deadline. A refusal fails at
+  // once, as REJECTED does on IB/RoCE. (Refusals of a live listener and
+  // most EADDRNOTAVAILs came from calling rdma_connect on the reactor
+  // thread; see OffReactorConnect.)
   const absl::Time connect_deadline = absl::Now() + o.connect_timeout;
   uint64_t jitter = reinterpret_cast<uintptr_t>(args.get()) >> 4;
   for (int attempt = 0;; ++attempt) {
@@ -495,11 +521,33 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     auto pd = PrivateData(*conn, o);
     if (!pd.ok()) co_return Annotate(pd.status(), where);
     rdma_conn_param param = ConnParam(ctx, *pd);
-    if (rdma_connect(id->id(), &param) == 0) break;
-    int err = errno;
+    int rc = 0, err = 0;
+    if (ctx.device().caps().transport == transport::TransportKind::kIWarp) {
+      // See OffReactorConnect. Not cancellable: the id, the QP and the
+      // private data must outlive the call.
+      auto call = std::make_shared<OffReactorConnect>();
+      JoinOnExit helper;
+      helper.thread = std::thread(
+          [call, r = Reactor::Current(), raw = id->id(), param]() mutable {
+            call->rc = rdma_connect(raw, &param);
+            call->err = errno;
+            r->Post([call] {
+              call->done = true;
+              call->finished.Set();
+            });
+          });
+      while (!call->done) (void)co_await call->finished.Wait();
+      helper.thread.join();
+      rc = call->rc;
+      err = call->err;
+    } else {
+      rc = rdma_connect(id->id(), &param);
+      err = errno;
+    }
+    if (rc == 0) break;
     COVERBS_CM_TRACE(where, ": rdma_connect attempt ", attempt, " on id ",
                      absl::Hex(reinterpret_cast<uintptr_t>(id->id())), ": ", strerror(err));
-    if (err == EADDRNOTAVAIL || err == ECONNREFUSED) {
+    if (err == EADDRNOTAVAIL) {
       int base = std::min(10 << std::min(attempt, 4), 160);
       jitter = jitter * 6364136223846793005ull + 1442695040888963407ull;
       absl::Duration pause =
