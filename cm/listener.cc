@@ -15,6 +15,8 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -459,12 +461,41 @@ struct OffReactorConnect {
   bool done = false;  // set on the reactor thread
   Event finished;
 };
+Task<absl::Status> WaitForConnect(OffReactorConnect* call) {
+  co_return co_await call->finished.Wait();
+}
+
+// The signal that interrupts a helper thread's rdma_connect (an empty
+// handler without SA_RESTART, so the blocked connect returns EINTR).
+// Installed once, and only if the application left the signal at its
+// default; 0 when not installed (then the call is waited for).
+int ConnectInterruptSignal() {
+  static const int sig = [] {
+    const int s = SIGRTMIN + 5;
+    struct sigaction old {};
+    if (s > SIGRTMAX || sigaction(s, nullptr, &old) != 0 ||
+        (old.sa_flags & SA_SIGINFO) != 0 || old.sa_handler != SIG_DFL) {
+      return 0;
+    }
+    struct sigaction sa {};
+    sa.sa_handler = [](int) {};
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;
+    return sigaction(s, &sa, nullptr) == 0 ? s : 0;
+  }();
+  return sig;
+}
+
 // Joins in the waiting frame, also when it is destroyed mid-call (reactor
 // teardown), so the call never outlives the id it uses.
 struct JoinOnExit {
   std::thread thread;
   ~JoinOnExit() {
-    if (thread.joinable()) thread.join();
+    if (!thread.joinable()) return;
+    if (int sig = ConnectInterruptSignal()) {
+      pthread_kill(thread.native_handle(), sig);
+    }
+    thread.join();
   }
 };
 
@@ -523,8 +554,10 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
     rdma_conn_param param = ConnParam(ctx, *pd);
     int rc = 0, err = 0;
     if (ctx.device().caps().transport == transport::TransportKind::kIWarp) {
-      // See OffReactorConnect. Not cancellable: the id, the QP and the
-      // private data must outlive the call.
+      // See OffReactorConnect. The id, the QP and the private data must
+      // outlive the call: past the deadline (or when the Connect is
+      // cancelled) the call is interrupted and joined, never left behind.
+      const int sig = ConnectInterruptSignal();
       auto call = std::make_shared<OffReactorConnect>();
       JoinOnExit helper;
       helper.thread = std::thread(
@@ -536,10 +569,29 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
               call->finished.Set();
             });
           });
-      while (!call->done) (void)co_await call->finished.Wait();
-      helper.thread.join();
+      absl::Duration left = connect_deadline - absl::Now();
+      absl::Status waited = co_await WithTimeout(
+          WaitForConnect(call.get()), std::max(left, absl::Milliseconds(1)));
+      bool interrupted = false;
+      if (!call->done && sig != 0) {
+        // siw: a peer that does not answer holds the TCP connect for the
+        // kernel's SYN retries (~130 s).
+        pthread_kill(helper.thread.native_handle(), sig);
+        interrupted = true;
+      }
+      helper.thread.join();  // prompt once interrupted
       rc = call->rc;
       err = call->err;
+      if (rc != 0 && interrupted && err == EINTR) {
+        co_return absl::Status(
+            waited.code() == absl::StatusCode::kCancelled
+                ? absl::StatusCode::kCancelled
+                : absl::StatusCode::kDeadlineExceeded,
+            absl::StrCat(where, ": rdma_connect did not finish within ",
+                         absl::FormatDuration(o.connect_timeout),
+                         " (the TCP connection was not answered); "
+                         "interrupted"));
+      }
     } else {
       rc = rdma_connect(id->id(), &param);
       err = errno;
