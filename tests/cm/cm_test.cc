@@ -173,6 +173,40 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     co_return p;
   }
 
+  // `n` Sends of 4-byte sequence numbers from `from`, all started at once,
+  // while `to` receives them in order, pausing `pause_ms` every `every`
+  // messages (a receiver that falls behind). Failed Sends are counted in
+  // `failures`; order and Recv errors are checked here.
+  Task<void> SendAhead(Connection* from, Connection* to, int n, int every,
+                       int pause_ms, int* failures) {
+    WaitGroup wg;
+    for (int i = 0; i < n; ++i) {
+      wg.Add();
+      auto one = [](Connection* c, int i, WaitGroup* wg,
+                    int* failures) -> Task<void> {
+        uint32_t v = i;
+        auto s = co_await c->Send(std::as_bytes(std::span(&v, 1)));
+        if (!s.ok()) ++*failures;
+        wg->Done();
+      };
+      reactor_->Spawn(one(from, i, &wg, failures));
+    }
+    for (int i = 0; i < n; ++i) {
+      if (i % every == 0) {
+        co_await reactor_->Sleep(absl::Milliseconds(pause_ms));
+      }
+      auto m = co_await to->Recv();
+      if (!m.ok()) {
+        ADD_FAILURE() << "message " << i << ": " << m.status();
+        break;
+      }
+      uint32_t v;
+      std::memcpy(&v, m->data().data(), 4);
+      EXPECT_EQ(v, static_cast<uint32_t>(i));
+    }
+    co_await wg.Wait();
+  }
+
   // Replaces a context with one that has a shared receive queue.
   absl::Status UseSrq(std::unique_ptr<Context>& ctx, uint32_t depth) {
     ContextOptions o;
@@ -647,29 +681,9 @@ TEST_P(CmTest, SenderFarAheadOfSlowReceiverNeverCausesRnr) {
         lo.connection.qp.rnr_retry = 0;
         auto p = co_await t->MakePair(co, lo);
         CO_ASSERT_OK(p);
-        constexpr int kMsgs = 1000;
-        WaitGroup wg;
         int failures = 0;
-        for (int i = 0; i < kMsgs; ++i) {
-          wg.Add();
-          auto one = [](Connection* c, int i, WaitGroup* wg,
-                        int* failures) -> Task<void> {
-            uint32_t v = i;
-            auto s = co_await c->Send(std::as_bytes(std::span(&v, 1)));
-            if (!s.ok()) ++*failures;
-            wg->Done();
-          };
-          t->reactor_->Spawn(one(p->client.get(), i, &wg, &failures));
-        }
-        for (int i = 0; i < kMsgs; ++i) {
-          if (i % 50 == 0) co_await t->reactor_->Sleep(absl::Milliseconds(5));
-          auto m = co_await p->server->Recv();
-          CO_ASSERT_OK(m);
-          uint32_t v;
-          std::memcpy(&v, m->data().data(), 4);
-          EXPECT_EQ(v, static_cast<uint32_t>(i));
-        }
-        co_await wg.Wait();
+        co_await t->SendAhead(p->client.get(), p->server.get(), 1000, 50, 5,
+                              &failures);
         EXPECT_EQ(failures, 0);
         EXPECT_GT(p->client->stats().credit_waits, 0u);
         EXPECT_GT(p->server->stats().credit_messages_sent, 0u);
@@ -974,29 +988,9 @@ TEST_P(CmTest, SrqWindowGrowsForABusySenderAndShrinksWhenItIsNot) {
         EXPECT_EQ(p->server->stats().recv_window, 2u);
         // 1,000 messages ahead of a receiver that keeps up: the sender
         // runs out of its 2 credits, so the window grows (never past 32).
-        constexpr int kMsgs = 1000;
-        WaitGroup wg;
         int failures = 0;
-        for (int i = 0; i < kMsgs; ++i) {
-          wg.Add();
-          auto one = [](Connection* c, int i, WaitGroup* wg,
-                        int* failures) -> Task<void> {
-            uint32_t v = i;
-            auto s = co_await c->Send(std::as_bytes(std::span(&v, 1)));
-            if (!s.ok()) ++*failures;
-            wg->Done();
-          };
-          t->reactor_->Spawn(one(p->client.get(), i, &wg, &failures));
-        }
-        for (int i = 0; i < kMsgs; ++i) {
-          if (i % 100 == 0) co_await t->reactor_->Sleep(absl::Milliseconds(2));
-          auto m = co_await p->server->Recv();
-          CO_ASSERT_OK(m);
-          uint32_t v;
-          std::memcpy(&v, m->data().data(), 4);
-          EXPECT_EQ(v, static_cast<uint32_t>(i));
-        }
-        co_await wg.Wait();
+        co_await t->SendAhead(p->client.get(), p->server.get(), 1000, 100, 2,
+                              &failures);
         EXPECT_EQ(failures, 0);
         Connection::Stats grown = p->server->stats();
         EXPECT_GT(grown.recv_window_peak, 2u);
