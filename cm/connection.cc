@@ -216,7 +216,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   const std::string& name() const { return name_; }
   Connection::Stats stats() const {
     Connection::Stats st = stats_;
-    st.recv_window = outstanding_ + to_return_ + held_;
+    st.recv_window = RecvWindow();
     st.recv_window_peak = std::max(window_peak_, st.recv_window);
     return st;
   }
@@ -224,7 +224,6 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
-  uint64_t id() const { return id_; }
   // Posts `slot` again; on failure the connection is failed (false).
   bool Repost(RecvSlot* slot);
 
@@ -262,8 +261,12 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   void MaybeSendCredits();
   // Credits returned once this many are owed.
   uint32_t ReturnThreshold() const;
-  // A credit-spending message arrived (the peer set kFlagCreditLow on it, or
-  // `low`); false (the connection failed) if the peer had no credit left.
+  // SRQ mode: credits the peer may hold now -- announced and unspent, owed,
+  // or behind a Message the application holds (its credit returns when the
+  // Message is freed).
+  uint32_t RecvWindow() const { return outstanding_ + to_return_ + held_; }
+  // A credit-spending message arrived (`low`: the peer set kFlagCreditLow on
+  // it); false (the connection failed) if the peer had no credit left.
   bool Spent(bool low);
   // A credit-spending receive is posted again: owe the peer its credit
   // back (SRQ mode: or two, to grow a busy sender's window, or none, to
@@ -522,7 +525,7 @@ absl::Status ConnectionImpl::InitSrq() {
   }
   pool_ = *pool;
   pool_->conns[id_] = this;
-  pool_->by_qp[qp_->qp_num()] = this;
+  pool_->by_qp[qp_num_] = this;
   slot_size_ = pool_->slot_size;
   initial_credits_ = options_.srq_initial_credits;
   return absl::OkStatus();
@@ -939,8 +942,7 @@ uint32_t ConnectionImpl::ReturnThreshold() const {
   // SRQ: a quarter of the current window, which may be as small as
   // srq_initial_credits (a fixed quarter of recv_credits could exceed it
   // and never be reached).
-  uint32_t window = pool_ != nullptr ? outstanding_ + to_return_ + held_
-                                     : options_.recv_credits;
+  uint32_t window = pool_ != nullptr ? RecvWindow() : options_.recv_credits;
   return std::max<uint32_t>(1, window / 4);
 }
 
@@ -970,10 +972,9 @@ void ConnectionImpl::Replenish() {
   // Additive growth while the sender keeps running out; once a whole
   // window of messages came without it running out, shrink by one per
   // message until it does: the window settles where the sender just stops
-  // waiting. Giving back the one
-  // credit always fits (its receive was just posted again). Messages the
-  // application still holds count: each gives its credit back when freed.
-  uint32_t window = outstanding_ + to_return_ + held_;
+  // waiting. Giving back the one credit always fits (its receive was just
+  // posted again).
+  uint32_t window = RecvWindow();
   uint32_t give = 1;
   bool low = std::exchange(peer_low_, false);
   if (low && window + 2 <= options_.recv_credits && pool_->CanLend(2, ctx_)) {
