@@ -52,19 +52,6 @@ struct Pending {
   }
 };
 
-struct DeadlineTimer final : internal::TimerNode {
-  Reactor* reactor = nullptr;
-  std::stop_source* source = nullptr;
-  bool fired = false;
-  void OnTimer() override {
-    fired = true;
-    source->request_stop();
-  }
-  ~DeadlineTimer() {
-    if (reactor != nullptr && armed()) reactor->CancelTimer(this);
-  }
-};
-
 template <typename T>
 Task<T> Unstoppable(Task<T> t) {
   t.SetStopToken(std::stop_token{});
@@ -94,17 +81,15 @@ Task<void> Reader(std::shared_ptr<Client::State> st) {
   for (;;) {
     auto m = co_await conn.Recv();
     if (!m.ok()) {
-      st->FailAll(absl::UnavailableError(
-          absl::StrCat("rpc connection ", conn.name(), " is down: ",
-                       m.status().message())));
+      st->FailAll(absl::UnavailableError(absl::StrCat(
+          "rpc connection ", conn.name(), " is down: ", m.status().message())));
       break;
     }
     auto f = DecodeFrame(m->data(), Side::kClient, st->limits);
     if (!f.ok()) {
-      st->FailAll(absl::UnavailableError(
-          absl::StrCat("rpc connection ", conn.name(),
-                       " closed: bad frame from the server: ",
-                       f.status().message())));
+      st->FailAll(absl::UnavailableError(absl::StrCat(
+          "rpc connection ", conn.name(),
+          " closed: bad frame from the server: ", f.status().message())));
       close = true;
       break;
     }
@@ -199,15 +184,15 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   const uint32_t method_id = MethodId(method);
   const std::string name(method);
   if (!st->status.ok()) {
-    co_return absl::UnavailableError(absl::StrCat(
-        "rpc call ", name, ": ", st->status.message()));
+    co_return absl::UnavailableError(
+        absl::StrCat("rpc call ", name, ": ", st->status.message()));
   }
   uint64_t peer_max = st->conn->peer().handshake.max_message_size;
   uint64_t limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
   if (payload.size() > limit || payload.size() > 0xffffffffull) {
-    co_return absl::InvalidArgumentError(absl::StrCat(
-        "rpc call ", name, ": request of ", payload.size(),
-        " bytes exceeds the connection's limit of ", limit));
+    co_return absl::InvalidArgumentError(
+        absl::StrCat("rpc call ", name, ": request of ", payload.size(),
+                     " bytes exceeds the connection's limit of ", limit));
   }
   if (options.deadline <= absl::Now()) {
     co_return absl::DeadlineExceededError(
@@ -220,19 +205,11 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   // cancel token and the deadline all request it.
   std::stop_source source;
   std::stop_token ambient = co_await CurrentStopToken();
-  std::optional<std::stop_callback<internal::StopForwarder>> link1, link2;
-  if (ambient.stop_possible()) {
-    link1.emplace(ambient, internal::StopForwarder{&source});
-  }
-  if (options.cancel.stop_possible()) {
-    link2.emplace(options.cancel, internal::StopForwarder{&source});
-  }
-  DeadlineTimer timer;
+  StopLink link1(ambient, source);
+  StopLink link2(options.cancel, source);
+  StopAtDeadline timer;
   if (options.deadline != absl::InfiniteFuture()) {
-    timer.reactor = st->reactor;
-    timer.source = &source;
-    timer.deadline = SteadyAfter(options.deadline - absl::Now());
-    st->reactor->AddTimer(&timer);
+    timer.Arm(source, SteadyAfter(options.deadline - absl::Now()));
   }
 
   Pending p(st.get(), id);
@@ -243,7 +220,7 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
       payload);
   inner.SetStopToken(source.get_token());
   absl::Status s = co_await std::move(inner);
-  if (timer.armed()) st->reactor->CancelTimer(&timer);
+  timer.Cancel();
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.
   auto it = st->pending.find(id);
@@ -252,22 +229,22 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
     // Tell the server to stop the handler; its response, if already on the
     // way, is dropped by the reader (unknown id).
     if (st->status.ok()) st->reactor->Spawn(SendCancel(st, id, method_id));
-    if (timer.fired) {
+    if (timer.fired()) {
       co_return absl::DeadlineExceededError(absl::StrCat(
           "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
           ": deadline exceeded; the call was cancelled"));
     }
-    co_return absl::CancelledError(absl::StrCat(
-        "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
-        ": cancelled"));
+    co_return absl::CancelledError(absl::StrCat("rpc call ", name, " (id ", id,
+                                                ") on ", st->conn->name(),
+                                                ": cancelled"));
   }
   if (!st->status.ok()) {
     co_return absl::UnavailableError(
         absl::StrCat("rpc call ", name, ": ", st->status.message()));
   }
-  co_return absl::UnavailableError(absl::StrCat(
-      "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
-      ": sending the request failed: ", s.ToString()));
+  co_return absl::UnavailableError(
+      absl::StrCat("rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+                   ": sending the request failed: ", s.ToString()));
 }
 
 Task<absl::Status> Client::Close() {
@@ -277,9 +254,9 @@ Task<absl::Status> Client::Close() {
   st->FailAll(absl::UnavailableError(
       absl::StrCat("rpc client on ", st->conn->name(), " closed")));
   st->reader_stop.request_stop();
-  (void)co_await Unstoppable(
-      [](Event* e) -> Task<absl::Status> { co_return co_await e->Wait(); }(
-          &st->reader_done));
+  (void)co_await Unstoppable([](Event* e) -> Task<absl::Status> {
+    co_return co_await e->Wait();
+  }(&st->reader_done));
   co_return co_await Unstoppable(st->conn->Close());
 }
 
