@@ -1,15 +1,71 @@
 #include "examples/common.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <future>
 
+#include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace coverbs::examples {
+
+namespace {
+// 0: not parsing; 1: parsing (an exit now is absl refusing a flag);
+// 2: parsing with a help flag present (an exit now is the help text).
+std::atomic<int> g_parse_state{0};
+void ExitCodeForFlagErrors() {
+  int st = g_parse_state.load();
+  // absl::ParseCommandLine exits with 1 both for a bad flag and after
+  // printing --help; the examples promise 2 and 0.
+  if (st == 1) _exit(2);
+  if (st == 2) _exit(0);
+}
+}  // namespace
+
+void ParseFlagsOrExit(int argc, char** argv) {
+  bool help = false;
+  for (int i = 1; i < argc; ++i) {
+    if (absl::StartsWith(argv[i], "--help") ||
+        absl::StartsWith(argv[i], "-help") ||
+        absl::StartsWith(argv[i], "--version")) {
+      help = true;
+    }
+  }
+  std::fflush(stdout);
+  g_parse_state.store(help ? 2 : 1);
+  static const bool registered = [] {
+    std::atexit(ExitCodeForFlagErrors);
+    return true;
+  }();
+  (void)registered;
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  g_parse_state.store(0);
+  if (rest.size() > 1) {
+    std::fprintf(
+        stderr, "%s: unexpected argument '%s' (every option is --name=value)\n",
+        argv[0], rest[1]);
+    std::exit(2);
+  }
+}
+
+bool CheckAddressFlag(const char* program, const char* flag,
+                      const std::string& value) {
+  if (!value.empty()) return true;
+  std::fprintf(stderr,
+               "%s: --%s is empty; give an address (0.0.0.0 to listen on every "
+               "interface)\n",
+               program, flag);
+  return false;
+}
 
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device) {

@@ -19,6 +19,17 @@
 
 namespace coverbs::examples {
 
+// Parses the command line like absl::ParseCommandLine, with the exit codes
+// the examples promise: 2 for a bad flag, a bad flag value or any
+// positional argument (each refused with a message naming it), 0 after
+// --help and friends. Returns only when every argument was a valid flag.
+void ParseFlagsOrExit(int argc, char** argv);
+
+// The --address/--server value, refused when empty: listening on every
+// interface must be asked for explicitly with 0.0.0.0.
+bool CheckAddressFlag(const char* program, const char* flag,
+                      const std::string& value);
+
 // provider: "auto" | "verbs" | "soft"; device: verbs device name or "".
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device);
@@ -59,7 +70,8 @@ int64_t Percentile(const std::vector<int64_t>& sorted, double p);
 // The byte the examples put at `index` of a payload tagged `tag`; the
 // receiver of an echo checks every byte against it.
 inline std::byte PatternByte(uint64_t tag, size_t index) {
-  return static_cast<std::byte>((tag * 0x9E3779B1u + index * 131 + (index >> 9)) & 0xff);
+  return static_cast<std::byte>(
+      (tag * 0x9E3779B1u + index * 131 + (index >> 9)) & 0xff);
 }
 void FillPattern(std::span<std::byte> out, uint64_t tag);
 // Index of the first byte that differs from the pattern, or -1.

@@ -51,6 +51,10 @@ ABSL_FLAG(std::string, provider, "auto",
 ABSL_FLAG(std::string, device, "",
           "verbs: the device to use (e.g. rxe0); empty = the first device "
           "with an active port.");
+ABSL_FLAG(int64_t, max_memory_mb, 2048,
+          "Refuse to start when --concurrency x the largest size would need "
+          "more payload memory than this (each call in flight holds its "
+          "request and its response).");
 ABSL_FLAG(std::string, poll, "event",
           "How the client's reactor waits for completions: event, busy or "
           "adaptive.");
@@ -151,6 +155,7 @@ Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
 }
 
 int RunMain() {
+  if (!CheckAddressFlag("echo_client", "server", absl::GetFlag(FLAGS_server))) return 2;
   std::vector<int64_t> sizes;
   for (const std::string& v : absl::GetFlag(FLAGS_sizes)) {
     int64_t n;
@@ -169,6 +174,22 @@ int RunMain() {
     std::fprintf(stderr,
                  "echo_client: need --calls >= 0, 0 <= size <= 64 MiB - 32, "
                  "--concurrency >= 1, --connections >= 1\n");
+    return 2;
+  }
+  // Each caller holds a request buffer and, while it checks it, the
+  // response: bound that before allocating rather than dying in bad_alloc.
+  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const int64_t need_mb =
+      (2 * largest * absl::GetFlag(FLAGS_concurrency) + (1 << 20) - 1) >> 20;
+  if (need_mb > absl::GetFlag(FLAGS_max_memory_mb)) {
+    std::fprintf(stderr,
+                 "echo_client: --concurrency=%d x size %lld needs about %lld MiB of "
+                 "payload buffers (request + response per call in flight), above "
+                 "--max_memory_mb=%lld; lower --concurrency or the size, or raise "
+                 "--max_memory_mb\n",
+                 absl::GetFlag(FLAGS_concurrency), static_cast<long long>(largest),
+                 static_cast<long long>(need_mb),
+                 static_cast<long long>(absl::GetFlag(FLAGS_max_memory_mb)));
     return 2;
   }
   std::vector<Run> runs(sizes.size());
@@ -252,6 +273,6 @@ int main(int argc, char** argv) {
       "Calls \"Echo\" on an echo_server and reports throughput and latency.\n"
       "Usage: echo_client --server=A --port=P [--calls=N] [--size=B] "
       "[--concurrency=K] [--connections=C] [--provider=auto|verbs|soft]");
-  absl::ParseCommandLine(argc, argv);
+  coverbs::examples::ParseFlagsOrExit(argc, argv);
   return coverbs::examples::RunMain();
 }

@@ -53,6 +53,7 @@ namespace coverbs::examples {
 namespace {
 
 int Run() {
+  if (!CheckAddressFlag("echo_server", "address", absl::GetFlag(FLAGS_address))) return 2;
   auto poll = ParsePollMode(absl::GetFlag(FLAGS_poll));
   if (!poll.ok()) {
     std::fprintf(stderr, "echo_server: --poll: %s\n", poll.status().ToString().c_str());
@@ -136,6 +137,6 @@ int main(int argc, char** argv) {
       "Serves the \"Echo\" RPC (returns the request payload) until SIGINT or "
       "SIGTERM.\nUsage: echo_server [--address=A] [--port=P] [--threads=N] "
       "[--provider=auto|verbs|soft]");
-  absl::ParseCommandLine(argc, argv);
+  coverbs::examples::ParseFlagsOrExit(argc, argv);
   return coverbs::examples::Run();
 }

@@ -132,6 +132,7 @@ Task<absl::Status> Main(cm::Context* ctx, const std::vector<size_t>& sizes, Stat
 }
 
 int RunMain() {
+  if (!CheckAddressFlag("kv_client", "server", absl::GetFlag(FLAGS_server))) return 2;
   std::vector<size_t> sizes;
   for (const std::string& v : absl::GetFlag(FLAGS_value_sizes)) {
     size_t n;
@@ -186,6 +187,6 @@ int main(int argc, char** argv) {
       "Puts values into a kv_server, then reads them back by one-sided RDMA READ.\n"
       "Usage: kv_client --server=A --port=P [--keys=N] [--value_sizes=100,4000,60000] "
       "[--reads=R]");
-  absl::ParseCommandLine(argc, argv);
+  coverbs::examples::ParseFlagsOrExit(argc, argv);
   return coverbs::examples::RunMain();
 }

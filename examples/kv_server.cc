@@ -123,6 +123,7 @@ class Store {
 };
 
 int Run() {
+  if (!CheckAddressFlag("kv_server", "address", absl::GetFlag(FLAGS_address))) return 2;
   if (absl::GetFlag(FLAGS_slots) < 1 || absl::GetFlag(FLAGS_max_value_size) < 0 ||
       absl::GetFlag(FLAGS_max_value_size) > (16 << 20) || absl::GetFlag(FLAGS_threads) < 1) {
     std::fprintf(stderr, "kv_server: need --slots >= 1, 0 <= --max_value_size <= 16 MiB, "
@@ -200,6 +201,6 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "A key-value server whose values clients read by one-sided RDMA READ.\n"
       "Usage: kv_server [--address=A] [--port=P] [--slots=N] [--max_value_size=B]");
-  absl::ParseCommandLine(argc, argv);
+  coverbs::examples::ParseFlagsOrExit(argc, argv);
   return coverbs::examples::Run();
 }
