@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "bench/plot.h"
 #include "gtest/gtest.h"
 
 namespace coverbs::bench {
@@ -29,7 +30,8 @@ TEST(ParseSizes, RejectsGarbage) {
 TEST(ParseTests, NamesAndAll) {
   auto t = ParseTests("send_bw,rpc_lat");
   ASSERT_TRUE(t.ok());
-  EXPECT_EQ(*t, (std::vector<bench::Test>{bench::Test::kSendBw, bench::Test::kRpcLat}));
+  EXPECT_EQ(*t, (std::vector<bench::Test>{bench::Test::kSendBw,
+                                          bench::Test::kRpcLat}));
   t = ParseTests("all");
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(t->size(), 6u);
@@ -75,8 +77,9 @@ TEST(Report, TableJsonCsvSvg) {
   std::string json = FormatJson(info, rs);
   EXPECT_NE(json.find("\"host\": \"h\\\"x\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"bytes\": 1048576"), std::string::npos);
-  EXPECT_NE(json.find("\"cpu_us_per_msg\": {\"client\": 1.5, \"server\": null}"),
-            std::string::npos)
+  EXPECT_NE(
+      json.find("\"cpu_us_per_msg\": {\"client\": 1.5, \"server\": null}"),
+      std::string::npos)
       << json;
   EXPECT_NE(json.find("\"mismatches\": 2"), std::string::npos);
 

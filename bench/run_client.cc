@@ -15,6 +15,7 @@
 #include "bench/client.h"
 #include "bench/driver.h"
 #include "bench/flags.h"
+#include "bench/plot.h"
 #include "bench/report.h"
 
 namespace coverbs::bench {
