@@ -67,8 +67,8 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, json, "", "Write the results as JSON to this file.");
 ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this file.");
 ABSL_FLAG(std::string, plot, "",
-          "Write an SVG chart of throughput and message rate against size to "
-          "this file.");
+          "Write an SVG chart of throughput, message rate and latency (p50, "
+          "p99) against size to this file.");
 ABSL_FLAG(std::string, progress, "auto",
           "Progress line on stderr for runs longer than 2 s: on, off, or auto "
           "(on when "
