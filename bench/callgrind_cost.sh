@@ -63,7 +63,7 @@ echo "# $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo '?'
   "N1 $n1, N2 $n2 operations"
 for test in "${tests[@]}"; do
   for n in "$n1" "$n2"; do
-    rm -f "$out/$test.$n.out"*
+    rm -f "$out/$test.$n.out"* "$out/$test.$n.inclusive-"*
     # The shim: without it valgrind 3.19 hangs on the first thread that
     # sleeps in io_uring_enter (valgrind_uring_shim.cc says why).
     # KILL: valgrind holds SIGTERM back while a thread is stuck.
@@ -78,7 +78,8 @@ for test in "${tests[@]}"; do
     python3 bench/callgrind_layers.py --json "$out/$test.$n.json" "${threads[@]}" \
       >"$out/$test.$n.layers"
     for f in "${threads[@]}"; do
-      callgrind_annotate --inclusive=yes --threshold=99 "$f" >"$f.txt" 2>/dev/null || true
+      callgrind_annotate --inclusive=yes --threshold=99 "$f" \
+        >"${f/.out-/.inclusive-}.txt" 2>/dev/null || true
     done
   done
   python3 - "$out/$test.$n1.json" "$out/$test.$n2.json" "$n1" "$n2" "$test" <<'PY'
