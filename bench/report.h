@@ -61,10 +61,6 @@ struct RunInfo {
 std::string FormatTable(const std::vector<Result>& results);
 std::string FormatJson(const RunInfo& info, const std::vector<Result>& results);
 std::string FormatCsv(const std::vector<Result>& results);
-// Two charts stacked: throughput (MB/s) and message rate (Mpps) against
-// message size (log2 axis), one line per test.
-std::string FormatSvg(const RunInfo& info, const std::vector<Result>& results);
-
 absl::Status WriteFile(const std::string& path, std::string_view contents);
 
 }  // namespace coverbs::bench

@@ -1,0 +1,48 @@
+// One side of the bench (the server's or the client's): a device, a pool of
+// reactors and one cm::Context per reactor; and the CPU time of that pool's
+// threads, which the bench reports per message.
+#ifndef COVERBS_BENCH_SIDE_H_
+#define COVERBS_BENCH_SIDE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cm/connection.h"
+#include "cm/context.h"
+#include "core/reactor.h"
+#include "core/reactor_pool.h"
+#include "core/task.h"
+#include "transport/device.h"
+
+namespace coverbs::bench {
+
+// One cm::Context per reactor of a pool, created and destroyed on its thread.
+// (A copy of examples/common.h's ContextPool, until the library has one.)
+struct Side {
+  std::unique_ptr<transport::Device> device;
+  std::unique_ptr<ReactorPool> pool;
+  std::vector<std::unique_ptr<cm::Context>> contexts;
+
+  // Opens the device --provider / --device name.
+  static absl::StatusOr<std::unique_ptr<Side>> Create(int threads,
+                                                      PollMode poll);
+  ~Side();
+  std::vector<cm::Context*> context_ptrs() const;
+};
+
+// The options of every bench connection, from --depth.
+cm::ConnectionOptions BenchConnectionOptions();
+
+// "soft" or "verbs (rxe0)".
+std::string Describe(const transport::Device& d);
+
+// CPU (seconds) of every reactor thread of `pool`, from a thread outside it.
+double PoolCpuBlocking(ReactorPool& pool);
+// The same from a coroutine on one of the pool's reactors.
+Task<double> PoolCpuAsync(ReactorPool* pool);
+
+}  // namespace coverbs::bench
+
+#endif  // COVERBS_BENCH_SIDE_H_
