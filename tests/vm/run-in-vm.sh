@@ -24,9 +24,9 @@
 #   COVERBS_VM_BASE          cache dir of setup.sh (default /var/tmp/coverbs-vm)
 #   COVERBS_VM_QEMU          qemu binary (default qemu-system-x86_64 from PATH)
 #
-# Forwarded into the guest: PATH, VM_*, COVERBS_*, TEST_*, GTEST_*, RDMA_*,
-# RUNFILES_*, *SAN_OPTIONS, LD_LIBRARY_PATH, TZ, TMPDIR (only if inside a VM_RW
-# dir) and VM_ENV. Everything else gets guest defaults (HOME=/tmp, LANG=C.UTF-8).
+# Forwarded into the guest: PATH (less version managers' shim dirs), VM_*,
+# COVERBS_*, TEST_*, GTEST_*, RDMA_*, RUNFILES_*, *SAN_OPTIONS, LD_LIBRARY_PATH,
+# TZ, TMPDIR (only if inside a VM_RW dir) and VM_ENV. Everything else gets guest defaults (HOME=/tmp, LANG=C.UTF-8).
 # The guest sets COVERBS_VM=1, and with VM_RDMA the COVERBS_VM_* variables of
 # vm-rdma-setup.sh.
 #
@@ -175,7 +175,18 @@ SHARELIST=
     done
     # The guest sees the host's files, so the host PATH finds the same tools;
     # sbin dirs are appended for the guest-side setup (modprobe, ip, rdma).
-    printf 'export PATH=%q\n' "$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+    # Version managers' shim dirs (pyenv, rbenv, asdf: .../shims) are left
+    # out: a shim is a bash script that forks ~30 processes per call, and one
+    # `python3` through pyenv's took 10-20 s under TCG at load 5-10 (the
+    # guest then runs the system's python3, which tools/install-deps.sh
+    # installs).
+    guest_path=
+    IFS=: read -ra path_dirs <<<"$PATH"
+    for d in "${path_dirs[@]}"; do
+        case $d in */shims) continue ;; esac
+        guest_path+=${guest_path:+:}$d
+    done
+    printf 'export PATH=%q\n' "$guest_path:/usr/local/sbin:/usr/sbin:/sbin"
     echo "export COVERBS_VM=1"
 } > "$RUN/env"
 
