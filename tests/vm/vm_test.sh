@@ -11,6 +11,8 @@
 # $TEST_TMPDIR, $TEST_UNDECLARED_OUTPUTS_DIR and the test log dir (test.xml,
 # premature-exit and shard-status files) are writable in the guest; the guest's
 # console log and dmesg land in $TEST_UNDECLARED_OUTPUTS_DIR/vm/.
+# Under TCG the tests repeat their loops a tenth as often
+# (COVERBS_TEST_REPEAT_PERCENT=10 unless set; tests/README.md).
 #
 # Exit status:
 #   0     the binary passed
@@ -40,6 +42,14 @@ if ! msg=$("$HERE/run-in-vm.sh" --check 2>&1); then
 fi
 
 export COVERBS_PROVIDER=verbs
+# Emulation (TCG) runs 50-100x slower than the host: repeat each loop a
+# tenth as often (same paths; tests/repeat.h has the floors). Under KVM, or
+# when set (--test_env=COVERBS_TEST_REPEAT_PERCENT=100), the count is kept.
+case $msg in
+    *"-accel tcg"*) export COVERBS_TEST_REPEAT_PERCENT=${COVERBS_TEST_REPEAT_PERCENT:-10} ;;
+esac
+[ -n "${COVERBS_TEST_REPEAT_PERCENT:-}" ] &&
+    echo "vm_test.sh: COVERBS_TEST_REPEAT_PERCENT=$COVERBS_TEST_REPEAT_PERCENT (percent of each repetition count run)"
 RW=()
 add_rw() { [ -n "${1:-}" ] && [ -d "$1" ] && RW+=("$1"); }
 add_rw "${TEST_TMPDIR:-}"
