@@ -58,11 +58,14 @@ preflight() {
         unavailable "initramfs is stale (tests/vm/initramfs-init.sh changed): rerun tests/vm/setup.sh"
 }
 
-# KVM only where a guest really boots on it. Nested under another hypervisor
-# (seen on an AMD EPYC VM with qemu 7.2) `-cpu host` aborts at vCPU reset with
-# "failed to set MSR 0x10a", and without that MSR the guest spins and never
-# prints a line. So: boot the kernel with no root (it panics at once) and look
-# for its banner. The answer is kept per host boot in the cache dir; --check
+# KVM only where a guest really boots on it. The build machines are
+# themselves PVM guests (dmesg: "Hypervisor detected: PVM"; no vmx/svm in
+# /proc/cpuinfo); where they have a /dev/kvm it is PVM's paravirtual device,
+# and with qemu 7.2 every variant tried either aborted (`-cpu host`: "failed
+# to set MSR 0x10a" at vCPU reset) or crawled (the kernel's decompressor
+# wrote ~10 KB/s; an uncompressed kernel died emulating `lock cmpxchg16b`).
+# So: boot the kernel with no root (it panics at once) and look for its
+# banner within 10 s; anything else means TCG. The answer is kept per host boot in the cache dir; --check
 # (run outside any sandbox, where that dir is writable) finds it out first.
 kvm_cpu() {
     local cache="$BASE/kvm-probe.$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)"
