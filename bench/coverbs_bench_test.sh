@@ -8,12 +8,24 @@ bench="$1"
 faulty="$2"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 fail() { echo "FAIL: $*"; [ -f "$tmp/out" ] && cat "$tmp/out"; exit 1; }
+# Repetitions scaled by COVERBS_TEST_REPEAT_PERCENT (tests/README.md; the VM
+# harness runs 10%), never below the floor that keeps the path covered.
+percent="${COVERBS_TEST_REPEAT_PERCENT:-100}"
+[[ "$percent" =~ ^[1-9][0-9]{0,4}$ ]] || fail "COVERBS_TEST_REPEAT_PERCENT=$percent is not a percentage"
+repeat() {  # full floor
+  local n=$(($1 * percent / 100))
+  echo $((n < $2 ? $2 : n))
+}
+# --warmup's default (100 per connection, test and size) at full scale.
+warmup=$(repeat 100 1)
 
-# 1. Loopback, all tests, all formats, verification on.
-"$bench" --loopback --test=all --sizes=1,64,8K,64K --iters=50 --depth=4 --connections=2 \
-  --threads=2 --verify --progress=off --json="$tmp/r.json" --csv="$tmp/r.csv" \
-  --plot="$tmp/r.svg" >"$tmp/out" 2>&1 || fail "loopback run exited $?"
-python3 - "$tmp/r.json" <<'PY' || fail "JSON check"
+# 1. Loopback, all tests, all formats, verification on; 50 iterations per
+# connection (at least 8: two rounds of the 4 in-flight slots).
+iters=$(repeat 50 8)
+"$bench" --loopback --test=all --sizes=1,64,8K,64K --iters="$iters" --warmup="$warmup" \
+  --depth=4 --connections=2 --threads=2 --verify --progress=off --json="$tmp/r.json" \
+  --csv="$tmp/r.csv" --plot="$tmp/r.svg" >"$tmp/out" 2>&1 || fail "loopback run exited $?"
+python3 - "$tmp/r.json" "$iters" <<'PY' || fail "JSON check"
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["tool"] == "coverbs_bench" and d["mode"] == "loopback", d
@@ -29,7 +41,7 @@ for r in rs:
               "bw_mbps", "mpps", "lat_us", "cpu_us_per_msg", "errors", "mismatches",
               "verified"):
         assert k in r, (k, r)
-    assert r["iterations"] == 100, r            # 50 per connection, 2 connections
+    assert r["iterations"] == 2 * int(sys.argv[2]), r  # --iters per connection, 2 connections
     assert r["errors"] == 0 and r["mismatches"] == 0 and r["verified"], r
     assert r["seconds"] > 0 and r["mpps"] > 0, r
     assert r["bw_mbps"] > 0 or r["bytes"] == 0, r
@@ -60,7 +72,7 @@ set -- $port
 cm_port=$1
 rpc_port=$2
 "$bench" --client="${COVERBS_VM_ADDR_A:-127.0.0.1}" --port="$cm_port" --rpc_port="$rpc_port" --test=send_bw,read_bw,rpc_rate --sizes=2..16 \
-    --iters=20 --verify --progress=off --json="$tmp/c.json" >"$tmp/out" 2>&1 \
+    --iters=20 --warmup="$warmup" --verify --progress=off --json="$tmp/c.json" >"$tmp/out" 2>&1 \
   || { kill $spid; fail "client run exited $?"; }
 python3 -c "
 import json,sys; d=json.load(open('$tmp/c.json')); assert d['mode']=='client'
@@ -70,7 +82,7 @@ kill -TERM $spid
 wait $spid || fail "server exit status $?"
 
 # 3. --verify catches one corrupted byte (and the run fails).
-if "$faulty" --loopback --test=send_bw --sizes=4K --iters=20 --verify --corrupt_message=7 \
+if "$faulty" --loopback --test=send_bw --sizes=4K --iters=20 --warmup="$warmup" --verify --corrupt_message=7 \
      --progress=off --json="$tmp/f.json" >"$tmp/out" 2>&1; then
   fail "corrupted run exited 0"
 fi
@@ -79,6 +91,6 @@ import json; r=json.load(open('$tmp/f.json'))['results'][0]
 assert r['mismatches']==1 and r['errors']==0, r" || fail "corruption not reported as 1 mismatch"
 grep -q "message 7: byte 2048 differs" "$tmp/out" || fail "mismatch not located"
 # Without --verify the same fault goes unnoticed: the check is what caught it.
-"$faulty" --loopback --test=send_bw --sizes=4K --iters=20 --corrupt_message=7 \
+"$faulty" --loopback --test=send_bw --sizes=4K --iters=20 --warmup="$warmup" --corrupt_message=7 \
   --progress=off >"$tmp/out" 2>&1 || fail "run without --verify failed"
 echo PASS

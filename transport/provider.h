@@ -68,6 +68,11 @@ struct DeviceCaps {
   bool send_with_imm = false;   // SEND_WITH_IMM
   // iWARP: the active (connecting) side must send the first message.
   bool active_side_sends_first = false;
+  // Whether an RDMA READ of a region registered without
+  // IBV_ACCESS_REMOTE_READ fails (REM_ACCESS_ERR). siw (Linux 6.1) does not
+  // check it and returns the data: on siw, exposing a region lets the peer
+  // read it whatever the access flags say (a provider defect).
+  bool enforces_remote_read = true;
 };
 
 // A registered memory region. The buffer is owned by the caller and must

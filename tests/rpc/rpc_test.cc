@@ -30,6 +30,7 @@
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/wire.h"
+#include "tests/repeat.h"
 #include "transport/device.h"
 #include "transport/verbs/verbs_provider.h"
 
@@ -259,8 +260,9 @@ TEST_P(RpcTest, EchoAcrossSizes) {
   }(this));
 }
 
-// 10,000 echo calls from 256 coroutines sharing one connection; every
-// `large_every`-th request (0: none) goes by rendezvous.
+// 10,000 echo calls (COVERBS_TEST_REPEAT_PERCENT scales them, down to 1,024:
+// each of the 256 slots refilled 4 times) from 256 coroutines sharing one
+// connection; every `large_every`-th request (0: none) goes by rendezvous.
 // `server_credits`: the initial grant the server must announce (0: any).
 void PipelinedEcho(RpcTest* t, int large_every, uint32_t server_credits = 0);
 
@@ -296,13 +298,14 @@ void PipelinedEcho(RpcTest* test, int large_every, uint32_t server_credits) {
     if (server_credits != 0) {
       EXPECT_EQ(client->connection().peer().handshake.credits, server_credits);
     }
-    const int kCalls = 10000, kDepth = 256;
+    const int kDepth = 256;
+    const int calls = coverbs::testing::Repeat(10000, 4 * kDepth);
     int next = 0, ok = 0, max_in_flight = 0;
     WaitGroup wg;
     wg.Add(kDepth);
-    auto worker = [](Client* client, int large_every, int* next, int* ok,
-                     int* max_in_flight, WaitGroup* wg) -> Task<void> {
-      while (*next < kCalls) {
+    auto worker = [](Client* client, int large_every, int calls, int* next,
+                     int* ok, int* max_in_flight, WaitGroup* wg) -> Task<void> {
+      while (*next < calls) {
         int i = (*next)++;
         // Mostly small, some above the threshold.
         size_t n = large_every > 0 && i % large_every == 0
@@ -321,10 +324,10 @@ void PipelinedEcho(RpcTest* test, int large_every, uint32_t server_credits) {
     };
     for (int k = 0; k < kDepth; ++k) {
       Reactor::Current()->Spawn(
-          worker(client, large_every, &next, &ok, &max_in_flight, &wg));
+          worker(client, large_every, calls, &next, &ok, &max_in_flight, &wg));
     }
     CO_ASSERT_OK(co_await wg.Wait());
-    EXPECT_EQ(ok, kCalls);
+    EXPECT_EQ(ok, calls);
     EXPECT_EQ(max_in_flight, kDepth);
     CO_ASSERT_OK(co_await client->Close());
   }(test, large_every, server_credits));

@@ -24,9 +24,9 @@
 #   COVERBS_VM_BASE          cache dir of setup.sh (default /var/tmp/coverbs-vm)
 #   COVERBS_VM_QEMU          qemu binary (default qemu-system-x86_64 from PATH)
 #
-# Forwarded into the guest: PATH, VM_*, COVERBS_*, TEST_*, GTEST_*, RDMA_*,
-# RUNFILES_*, *SAN_OPTIONS, LD_LIBRARY_PATH, TZ, TMPDIR (only if inside a VM_RW
-# dir) and VM_ENV. Everything else gets guest defaults (HOME=/tmp, LANG=C.UTF-8).
+# Forwarded into the guest: PATH (less version managers' shim dirs), VM_*,
+# COVERBS_*, TEST_*, GTEST_*, RDMA_*, RUNFILES_*, *SAN_OPTIONS, LD_LIBRARY_PATH,
+# TZ, TMPDIR (only if inside a VM_RW dir) and VM_ENV. Everything else gets guest defaults (HOME=/tmp, LANG=C.UTF-8).
 # The guest sets COVERBS_VM=1, and with VM_RDMA the COVERBS_VM_* variables of
 # vm-rdma-setup.sh.
 #
@@ -58,11 +58,14 @@ preflight() {
         unavailable "initramfs is stale (tests/vm/initramfs-init.sh changed): rerun tests/vm/setup.sh"
 }
 
-# KVM only where a guest really boots on it. Nested under another hypervisor
-# (seen on an AMD EPYC VM with qemu 7.2) `-cpu host` aborts at vCPU reset with
-# "failed to set MSR 0x10a", and without that MSR the guest spins and never
-# prints a line. So: boot the kernel with no root (it panics at once) and look
-# for its banner. The answer is kept per host boot in the cache dir; --check
+# KVM only where a guest really boots on it. The build machines are
+# themselves PVM guests (dmesg: "Hypervisor detected: PVM"; no vmx/svm in
+# /proc/cpuinfo); where they have a /dev/kvm it is PVM's paravirtual device,
+# and with qemu 7.2 every variant tried either aborted (`-cpu host`: "failed
+# to set MSR 0x10a" at vCPU reset) or crawled (the kernel's decompressor
+# wrote ~10 KB/s; an uncompressed kernel died emulating `lock cmpxchg16b`).
+# So: boot the kernel with no root (it panics at once) and look for its
+# banner within 10 s; anything else means TCG. The answer is kept per host boot in the cache dir; --check
 # (run outside any sandbox, where that dir is writable) finds it out first.
 kvm_cpu() {
     local cache="$BASE/kvm-probe.$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)"
@@ -175,7 +178,18 @@ SHARELIST=
     done
     # The guest sees the host's files, so the host PATH finds the same tools;
     # sbin dirs are appended for the guest-side setup (modprobe, ip, rdma).
-    printf 'export PATH=%q\n' "$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+    # Version managers' shim dirs (pyenv, rbenv, asdf: .../shims) are left
+    # out: a shim is a bash script that forks ~30 processes per call, and one
+    # `python3` through pyenv's took 10-20 s under TCG at load 5-10 (the
+    # guest then runs the system's python3, which tools/install-deps.sh
+    # installs).
+    guest_path=
+    IFS=: read -ra path_dirs <<<"$PATH"
+    for d in "${path_dirs[@]}"; do
+        case $d in */shims) continue ;; esac
+        guest_path+=${guest_path:+:}$d
+    done
+    printf 'export PATH=%q\n' "$guest_path:/usr/local/sbin:/usr/sbin:/sbin"
     echo "export COVERBS_VM=1"
 } > "$RUN/env"
 

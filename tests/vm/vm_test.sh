@@ -11,6 +11,8 @@
 # $TEST_TMPDIR, $TEST_UNDECLARED_OUTPUTS_DIR and the test log dir (test.xml,
 # premature-exit and shard-status files) are writable in the guest; the guest's
 # console log and dmesg land in $TEST_UNDECLARED_OUTPUTS_DIR/vm/.
+# Under TCG the tests repeat their loops a tenth as often
+# (COVERBS_TEST_REPEAT_PERCENT=10 unless set; tests/README.md).
 #
 # Exit status:
 #   0     the binary passed
@@ -40,6 +42,14 @@ if ! msg=$("$HERE/run-in-vm.sh" --check 2>&1); then
 fi
 
 export COVERBS_PROVIDER=verbs
+# Emulation (TCG) runs 50-100x slower than the host: repeat each loop a
+# tenth as often (same paths; tests/repeat.h has the floors). Under KVM, or
+# when set (--test_env=COVERBS_TEST_REPEAT_PERCENT=100), the count is kept.
+case $msg in
+    *"-accel tcg"*) export COVERBS_TEST_REPEAT_PERCENT=${COVERBS_TEST_REPEAT_PERCENT:-10} ;;
+esac
+[ -n "${COVERBS_TEST_REPEAT_PERCENT:-}" ] &&
+    echo "vm_test.sh: COVERBS_TEST_REPEAT_PERCENT=$COVERBS_TEST_REPEAT_PERCENT (percent of each repetition count run)"
 RW=()
 add_rw() { [ -n "${1:-}" ] && [ -d "$1" ] && RW+=("$1"); }
 add_rw "${TEST_TMPDIR:-}"
@@ -54,17 +64,39 @@ if [ ${#RW[@]} -gt 0 ]; then
 fi
 export VM_RW="${VM_RW:-} ${RW[*]}"
 # The guest sees the host's / except /tmp, /var/tmp, /run and /dev/shm (tmpfs
-# there). A workspace or a Bazel output base under one of those would leave the
-# runfiles symlinks dangling in the guest: share them read-only.
+# there). A workspace or a Bazel output root under one of those (e.g.
+# --output_user_root=/tmp/x) would leave the runfiles symlinks dangling in the
+# guest: share read-only whatever they point to there. A target inside a
+# Bazel output base (.../<hash>/execroot/..., also reached from a sandbox)
+# shares that output base once; anything else its own directory.
 masked() { case "$1/" in /tmp/*|/var/tmp/*|/run/*|/dev/shm/*) return 0 ;; esac; return 1; }
-WS=$(cd "$HERE/../.." && pwd -P)
-masked "$WS" && VM_RO="${VM_RO:-} $WS"
-BIN=$(readlink -f "$(command -v "$1" 2>/dev/null || echo "$1")")
-if masked "$BIN"; then
-    case $BIN in */execroot/*) VM_RO="${VM_RO:-} ${BIN%%/execroot/*}/execroot" ;;
-                 *) VM_RO="${VM_RO:-} $(dirname "$BIN")" ;; esac
+share_root() {  # the directory to share for masked path $1
+    local p=$1
+    case $p in
+        */execroot/*) p=${p%%/execroot/*}
+                      case $p in */sandbox/*) p=${p%%/sandbox/*} ;; esac ;;
+        *) [ -d "$p" ] || p=$(dirname "$p") ;;
+    esac
+    echo "$p"
+}
+RO=()
+add_ro() { masked "$1" && RO+=("$(share_root "$1")"); }
+add_ro "$(cd "$HERE/../.." && pwd -P)"
+add_ro "$(pwd -P)"
+add_ro "$(readlink -f "$(command -v "$1" 2>/dev/null || echo "$1")")"
+# Each symlink of the runfiles tree (Bazel's, or <binary>.runfiles by hand).
+for tree in "${RUNFILES_DIR:-${TEST_SRCDIR:-}}" "$1.runfiles"; do
+    [ -n "$tree" ] && [ -d "$tree" ] || continue
+    while IFS= read -r -d '' target; do
+        add_ro "$target"
+    done < <(readlink -fz "$tree"
+             find "$tree" -type l -print0 2>/dev/null | xargs -0 -r readlink -fz)
+done
+if [ ${#RO[@]} -gt 0 ]; then
+    mapfile -t RO < <(printf '%s\n' "${RO[@]}" | sort -u |
+                      awk '{ for (p in keep) if (index($0 "/", p "/") == 1) next; keep[$0]; print }')
 fi
-export VM_RO="${VM_RO:-}"
+export VM_RO="${VM_RO:-} ${RO[*]}"
 # XML_OUTPUT_FILE is what Bazel's GTEST_OUTPUT points at; pass it along.
 export VM_ENV="${VM_ENV:-} XML_OUTPUT_FILE"
 if [ -n "${TEST_UNDECLARED_OUTPUTS_DIR:-}" ] && [ -z "${VM_LOGDIR:-}" ]; then

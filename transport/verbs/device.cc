@@ -412,6 +412,9 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   constexpr uint32_t kSiwVendorId = 0x626d74;  // "bmt": SoftiWARP
   dev->posts_after_error_unflushed =
       iwarp && dev->attr.vendor_id == kSiwVendorId;
+  // siw returns the data of an RDMA READ whatever the target region's
+  // access flags (seen on Linux 6.1; tests/transport/conformance_test.cc).
+  caps.enforces_remote_read = !(iwarp && dev->attr.vendor_id == kSiwVendorId);
   if (caps.transport == TransportKind::kRoCE) {
     if (absl::Status s = ChooseGid(*dev, options); !s.ok()) return s;
   }
