@@ -17,10 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/context_shared.h"
-#include "cm/trace.h"
 #include "cm/wire.h"
 #include "core/sync.h"
 #include "core/timeout.h"
+#include "transport/cm_trace.h"
 #include "transport/errors.h"
 
 namespace coverbs::cm {
@@ -197,7 +197,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   ~ConnectionImpl();
 
   absl::Status Init();
-  absl::Status Start(PeerInfo peer, std::unique_ptr<Link> link);
+  absl::Status Start(PeerInfo peer,
+                     std::unique_ptr<transport::ConnectionLink> link);
   Handshake LocalHandshake() const;
 
   Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
@@ -281,7 +282,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   Context& ctx_;
   std::unique_ptr<transport::QueuePair> qp_;
-  std::unique_ptr<Link> link_;
+  std::unique_ptr<transport::ConnectionLink> link_;
   ConnectionOptions options_;
   bool active_;
   uint64_t id_ = 0;
@@ -625,7 +626,8 @@ Handshake ConnectionImpl::LocalHandshake() const {
   return h;
 }
 
-absl::Status ConnectionImpl::Start(PeerInfo peer, std::unique_ptr<Link> link) {
+absl::Status ConnectionImpl::Start(
+    PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link) {
   peer_ = std::move(peer);
   link_ = std::move(link);
   if (link_ != nullptr) {
@@ -1767,7 +1769,7 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::CreateUnstarted(
 Handshake Connection::LocalHandshake() const { return impl_->LocalHandshake(); }
 
 absl::Status Connection::Start(PeerInfo peer,
-                               std::unique_ptr<internal::Link> link) {
+                               std::unique_ptr<transport::ConnectionLink> link) {
   return impl_->Start(std::move(peer), std::move(link));
 }
 

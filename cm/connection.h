@@ -42,8 +42,8 @@
 #include "absl/time/time.h"
 #include "cm/context.h"
 #include "cm/handshake.h"
-#include "cm/link.h"
 #include "core/task.h"
+#include "transport/connection_link.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
 
@@ -197,7 +197,7 @@ class Connection {
   Handshake LocalHandshake() const;
   // The QP is connected (RTS): validates the peer's handshake against ours
   // and starts messaging.
-  absl::Status Start(PeerInfo peer, std::unique_ptr<internal::Link> link);
+  absl::Status Start(PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link);
 
  private:
   explicit Connection(std::shared_ptr<internal::ConnectionImpl> impl);

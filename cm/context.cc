@@ -1,8 +1,8 @@
 #include "cm/context.h"
 
 #include "absl/status/status.h"
-#include "cm/cm_events.h"
 #include "cm/context_shared.h"
+#include "transport/rdma_cm_events.h"
 
 namespace coverbs::cm {
 
@@ -45,10 +45,10 @@ Context::~Context() {
   owned_pd_.reset();
 }
 
-absl::StatusOr<internal::CmEventChannel*> Context::cm_events() {
+absl::StatusOr<transport::rdma_cm::CmEventChannel*> Context::cm_events() {
   if (device_->caps().provider != "verbs") return nullptr;
   if (cm_events_ == nullptr) {
-    auto ch = internal::CmEventChannel::Create(*reactor_);
+    auto ch = transport::rdma_cm::CmEventChannel::Create(*reactor_);
     if (!ch.ok()) return ch.status();
     cm_events_ = std::move(*ch);
   }

@@ -23,11 +23,11 @@
 #include "transport/memory.h"
 #include "transport/queue_pair.h"
 
-namespace coverbs::cm {
+namespace coverbs::transport::rdma_cm {
+class CmEventChannel;  // verbs: rdma_event_channel + dispatch
+}  // namespace coverbs::transport::rdma_cm
 
-namespace internal {
-class CmEventChannel;  // verbs: rdma_event_channel + dispatch (listener.cc)
-}
+namespace coverbs::cm {
 
 struct ContextOptions {
   int cq_entries = 0;  // 0: CompletionQueue's default
@@ -72,7 +72,7 @@ class Context {
   SrqUsage srq_usage() const;
 
   // verbs only (nullptr on soft); created on first use.
-  absl::StatusOr<internal::CmEventChannel*> cm_events();
+  absl::StatusOr<transport::rdma_cm::CmEventChannel*> cm_events();
 
   // Internal state shared by the connection layer's parts. Opaque to users.
   struct Shared;
@@ -87,7 +87,7 @@ class Context {
   transport::ProtectionDomain* pd_ = nullptr;
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<transport::RegistrationCache> reg_cache_;
-  std::unique_ptr<internal::CmEventChannel> cm_events_;
+  std::unique_ptr<transport::rdma_cm::CmEventChannel> cm_events_;
   std::unique_ptr<Shared> shared_;
 };
 

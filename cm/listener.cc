@@ -29,17 +29,17 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cm/cm_events.h"
 #include "cm/context_shared.h"
-#include "cm/trace.h"
 #include "core/timeout.h"
+#include "transport/cm_trace.h"
+#include "transport/rdma_cm_events.h"
 #include "transport/soft/soft_provider.h"
 #include "transport/verbs/verbs_provider.h"
 
 namespace coverbs::cm {
 
-using internal::CmEvent;
-using internal::CmId;
+using transport::rdma_cm::CmEvent;
+using transport::rdma_cm::CmId;
 
 namespace {
 
@@ -234,7 +234,7 @@ std::string PeerOf(int fd, uint16_t* port) {
   return buf;
 }
 
-class SoftLink final : public internal::Link {
+class SoftLink final : public transport::ConnectionLink {
  public:
   SoftLink(transport::QueuePair* qp, std::string describe)
       : qp_(qp), describe_(std::move(describe)) {}
@@ -632,7 +632,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> VerbsConnect(
   peer.address = address;
   peer.port = port;
   peer.handshake = *std::move(peer_h);
-  s = conn->Start(std::move(peer), internal::MakeVerbsLink(id));
+  s = conn->Start(std::move(peer), transport::rdma_cm::MakeVerbsLink(id));
   if (!s.ok()) co_return s;
   co_return std::move(conn);
 }
@@ -807,7 +807,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
   if (!s.ok()) co_return Annotate(s, where);
   st.id->SetEstablished(absl::StrCat(ctx.device().name(), " <- ",
                                      st.peer.address, ":", st.peer.port));
-  s = (*conn)->Start(st.peer, internal::MakeVerbsLink(st.id));
+  s = (*conn)->Start(st.peer, transport::rdma_cm::MakeVerbsLink(st.id));
   if (!s.ok()) co_return s;
   if (!st.listener_alive.expired()) ++st.stats->accepted;
   co_return std::move(*conn);
