@@ -2,7 +2,6 @@
 
 #include "absl/status/status.h"
 #include "cm/context_shared.h"
-#include "transport/rdma_cm_events.h"
 
 namespace coverbs::cm {
 
@@ -24,10 +23,13 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
     ctx->owned_pd_ = std::move(*pd);
     ctx->pd_ = ctx->owned_pd_.get();
   }
-  auto cq = transport::CompletionQueue::Create(device, reactor,
-                                               options.cq_entries);
+  auto cq =
+      transport::CompletionQueue::Create(device, reactor, options.cq_entries);
   if (!cq.ok()) return cq.status();
   ctx->cq_ = std::move(*cq);
+  auto connector = transport::OpenConnector(device, reactor);
+  if (!connector.ok()) return connector.status();
+  ctx->connector_ = *std::move(connector);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
   ctx->shared_ = std::make_unique<Shared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
@@ -39,20 +41,10 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
 // state (pools, SRQ) goes before the CQ and PD it was created on.
 Context::~Context() {
   shared_.reset();
-  cm_events_.reset();
+  connector_.reset();
   reg_cache_.reset();
   cq_.reset();
   owned_pd_.reset();
-}
-
-absl::StatusOr<transport::rdma_cm::CmEventChannel*> Context::cm_events() {
-  if (device_->caps().provider != "verbs") return nullptr;
-  if (cm_events_ == nullptr) {
-    auto ch = transport::rdma_cm::CmEventChannel::Create(*reactor_);
-    if (!ch.ok()) return ch.status();
-    cm_events_ = std::move(*ch);
-  }
-  return cm_events_.get();
 }
 
 }  // namespace coverbs::cm
