@@ -106,6 +106,37 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                                const LocalBuffer* zero_copy = nullptr);
   Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
                                const LocalBuffer* registered);
+  // Rendezvous, sender side (rendezvous.cc): the payload's SGEs (`regs`
+  // holds the registrations made for them), the RTS together with the
+  // credit its completion will need, the CTS, the WRITE(s) and DONE. Each
+  // step gives that reserved credit back (Unreserve) when it fails.
+  absl::Status PayloadSges(std::span<const std::span<const std::byte>> parts,
+                           const LocalBuffer* registered,
+                           std::vector<MemoryRegion>& regs,
+                           std::vector<LocalBuffer>& sges, uint64_t& total);
+  Task<absl::Status> PostRts(PendingRts& pr, uint64_t total);
+  Task<absl::Status> AwaitCts(PendingRts& pr, uint64_t total);
+  Task<absl::Status> WriteRendezvous(const PendingRts& pr,
+                                     std::span<const LocalBuffer> sges,
+                                     uint64_t total);
+  void Unreserve();
+  // Receive completions by kind (receive.cc, rendezvous.cc). Those that
+  // return bool return false when the message broke the protocol (the
+  // connection has failed).
+  void OnRecvFailed(const ibv_wc& wc);
+  // Validates the header and takes its piggybacked credits and acks, and
+  // the credit the message spent.
+  bool TakeHeader(RecvSlot* slot, const ibv_wc& wc, WireHeader& h);
+  // An internal message's receive is posted again at once.
+  void Consume(RecvSlot* slot);
+  void OnData(RecvSlot* slot, const WireHeader& h);
+  bool OnRts(const WireHeader& h);
+  bool OnCts(RecvSlot* slot, const WireHeader& h);
+  bool OnDone(const WireHeader& h);
+  void OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc);
+  // A buffer for an announced rendezvous, registered for the peer's WRITE;
+  // nullptr when memory or the registration is not to be had.
+  LargeBuffer* NewRendezvousBuffer(uint32_t length);
   Task<void> SendCts(uint32_t cookie, uint16_t flags,
                      std::vector<std::byte> payload);
   Task<void> SendControl(MsgType type, uint32_t cookie, uint16_t flags,

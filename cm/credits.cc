@@ -1,15 +1,12 @@
 // The credit window: receives reposted become credits owed to the peer,
 // returned on headers or by credit messages; with an SRQ, lent and taken
 // back as the peer's demand changes.
-#include <arpa/inet.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
 
 namespace coverbs::cm::internal {

@@ -1,6 +1,5 @@
 // One-sided access: regions exposed as tokens, RDMA READ / WRITE and 8-byte
 // atomics straight to the QP.
-#include <arpa/inet.h>
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,5 @@
 // Sending: the FIFO send turn (turn, credit, buffer, post), eager data,
 // control and CTS messages.
-#include <arpa/inet.h>
 
 #include <algorithm>
 #include <cstring>
