@@ -1,6 +1,8 @@
 // The connect path: the Context's transport::Connector makes the connection
 // (rdma_cm or the soft provider's TCP setup), ConnectionSetup puts the
 // Connection on its QP, and the peer's handshake starts it.
+#include "cm/connect.h"
+
 #include <memory>
 #include <string>
 
@@ -8,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "cm/connection_setup.h"
 #include "cm/handshake.h"
-#include "cm/listener.h"
 
 namespace coverbs::cm {
 namespace {
