@@ -8,7 +8,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "cm/connect_for_test.h"
 #include "cm/connection_setup.h"
+#include "cm/context_shared.h"
 #include "cm/handshake.h"
 
 namespace coverbs::cm {
@@ -18,6 +20,7 @@ struct ConnectArgs {
   std::string address;
   uint16_t port = 0;
   ConnectOptions options;
+  std::string raw_private_data;  // tests: sent instead of the handshake
 };
 
 absl::Status Annotate(const absl::Status& s, absl::string_view what) {
@@ -33,13 +36,13 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWith(
                                                  /*active_side=*/true);
   if (!setup.ok()) co_return Annotate(setup.status(), where);
   (*setup)->set_app_data(o.app_data);
-  (*setup)->set_raw_private_data(o.raw_private_data_for_test);
+  (*setup)->set_raw_private_data(args->raw_private_data);
   transport::ConnectParams params;
   params.address = args->address;
   params.port = args->port;
   params.resolve_timeout = o.resolve_timeout;
   params.connect_timeout = o.connect_timeout;
-  auto est = co_await ctx.connector().Connect(params, **setup);
+  auto est = co_await internal::ConnectorOf(ctx).Connect(params, **setup);
   if (!est.ok()) co_return est.status();
   auto peer_h = DecodeHandshake(std::as_bytes(std::span(est->private_data)));
   if (!peer_h.ok()) {
@@ -68,6 +71,21 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
   args->options = options;
   return ConnectWith(ctx, std::move(args));
 }
+
+namespace internal {
+
+Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWithPrivateData(
+    Context& ctx, const std::string& address, uint16_t port,
+    const ConnectOptions& options, const std::string& private_data) {
+  auto args = std::make_unique<ConnectArgs>();
+  args->address = address;
+  args->port = port;
+  args->options = options;
+  args->raw_private_data = private_data;
+  return ConnectWith(ctx, std::move(args));
+}
+
+}  // namespace internal
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
     Context& ctx, const std::string& address, uint16_t port) {

@@ -33,9 +33,6 @@ struct ConnectOptions {
   absl::Duration resolve_timeout = absl::Seconds(2);  // address, then route
   absl::Duration connect_timeout = absl::Seconds(5);  // until ESTABLISHED
   std::string app_data;  // <= kMaxAppData bytes, shown to the listener
-  // Tests only: sent instead of the encoded handshake (garbage, other
-  // protocol versions).
-  std::string raw_private_data_for_test;
 };
 
 // Resolves, creates the QP on ctx's CQ, connects with the handshake in the

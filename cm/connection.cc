@@ -72,54 +72,12 @@ Task<absl::Status> Connection::Close() { return impl_->Close(); }
 
 absl::Status Connection::status() const { return impl_->status(); }
 const PeerInfo& Connection::peer() const { return impl_->peer(); }
+const Handshake& Connection::local_handshake() const {
+  return impl_->local_handshake();
+}
 Context& Connection::context() const { return impl_->context(); }
 transport::QueuePair& Connection::qp() const { return impl_->qp(); }
 const std::string& Connection::name() const { return impl_->name(); }
 Connection::Stats Connection::stats() const { return impl_->stats(); }
-
-absl::StatusOr<transport::QpOptions> Connection::QpOptionsFor(
-    Context& ctx, const ConnectionOptions& o) {
-  transport::QpOptions q = o.qp;
-  if (o.use_srq) {
-    auto pool = internal::SrqPool::For(ctx);
-    if (!pool.ok()) return pool.status();
-    q.srq = (*pool)->srq->provider();
-  }
-  const transport::DeviceCaps& caps = ctx.device().caps();
-  // The send queue only bounds how much is posted at once (the QueuePair
-  // queues the rest); credits bound what the peer must absorb.
-  uint32_t send =
-      o.send_depth + internal::kCreditReserve + internal::kCtsReserve + 4;
-  uint32_t recv =
-      o.recv_credits + internal::kCreditReserve + internal::kCtsReserve;
-  if (caps.max_qp_wr != 0) {
-    send = std::min(send, caps.max_qp_wr);
-    recv = std::min(recv, caps.max_qp_wr);
-  }
-  q.max_send_wr = send;
-  q.max_recv_wr = recv;
-  q.max_send_sge = std::max<uint32_t>(q.max_send_sge, 2);
-  if (caps.max_sge != 0)
-    q.max_send_sge = std::min(q.max_send_sge, caps.max_sge);
-  q.max_recv_sge = 1;
-  return q;
-}
-
-absl::StatusOr<std::unique_ptr<Connection>> Connection::CreateUnstarted(
-    Context& ctx, std::unique_ptr<transport::QueuePair> qp,
-    const ConnectionOptions& o, bool active_side) {
-  auto impl = std::make_shared<internal::ConnectionImpl>(ctx, std::move(qp), o,
-                                                         active_side);
-  absl::Status s = impl->Init();
-  if (!s.ok()) return s;
-  return std::unique_ptr<Connection>(new Connection(std::move(impl)));
-}
-
-Handshake Connection::LocalHandshake() const { return impl_->LocalHandshake(); }
-
-absl::Status Connection::Start(
-    PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link) {
-  return impl_->Start(std::move(peer), std::move(link));
-}
 
 }  // namespace coverbs::cm

@@ -2,7 +2,6 @@
 // buffers, the handshake), start, failure and teardown.
 #include "cm/connection_impl.h"
 
-
 #include <algorithm>
 #include <cstring>
 #include <utility>

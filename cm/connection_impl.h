@@ -61,7 +61,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   ConnectionImpl(Context& ctx, std::unique_ptr<transport::QueuePair> qp,
                  const ConnectionOptions& o, bool active)
       : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
-    id_ = ctx.shared().next_connection_id++;
+    id_ = SharedOf(ctx).next_connection_id++;
     qp_num_ = qp_->qp_num();
     name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
   }
@@ -70,7 +70,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status Init();
   absl::Status Start(PeerInfo peer,
                      std::unique_ptr<transport::ConnectionLink> link);
+  // What this side can receive (Init must have run), for the handshake.
   Handshake LocalHandshake() const;
+  // What was sent to the peer, for Connection::local_handshake().
+  void set_local_handshake(Handshake h) { local_ = std::move(h); }
+  const Handshake& local_handshake() const { return local_; }
 
   Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
   Task<absl::Status> SendRegistered(LocalBuffer b);
@@ -192,6 +196,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t qp_num_ = 0;
   std::string name_;
   PeerInfo peer_;
+  Handshake local_;
   bool started_ = false;
 
   // Receive side.

@@ -15,8 +15,14 @@
 
 namespace coverbs::cm::internal {
 
+// The QP options a connection with `options` needs (depths, SRQ). Creates
+// the Context's SRQ on first use.
+absl::StatusOr<transport::QpOptions> QpOptionsFor(
+    Context& ctx, const ConnectionOptions& options);
+
 class ConnectionSetup final : public transport::QpSetup {
  public:
+  ~ConnectionSetup() override;
   // Fails when `options` cannot be met on `ctx` (no SRQ for use_srq, ...).
   static absl::StatusOr<std::unique_ptr<ConnectionSetup>> Create(
       Context& ctx, const ConnectionOptions& options, bool active_side);

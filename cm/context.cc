@@ -31,7 +31,7 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
   if (!connector.ok()) return connector.status();
   ctx->connector_ = *std::move(connector);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
-  ctx->shared_ = std::make_unique<Shared>();
+  ctx->shared_ = std::make_unique<internal::ContextShared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
   return ctx;

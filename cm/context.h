@@ -19,12 +19,20 @@
 #include "absl/status/statusor.h"
 #include "core/reactor.h"
 #include "transport/completion_queue.h"
-#include "transport/connector.h"
 #include "transport/device.h"
 #include "transport/memory.h"
 #include "transport/queue_pair.h"
 
+namespace coverbs::transport {
+class Connector;
+}  // namespace coverbs::transport
+
 namespace coverbs::cm {
+
+namespace internal {
+struct ContextShared;  // context_shared.h
+class ContextAccess;
+}  // namespace internal
 
 struct ContextOptions {
   int cq_entries = 0;  // 0: CompletionQueue's default
@@ -68,14 +76,8 @@ class Context {
   };
   SrqUsage srq_usage() const;
 
-  // Establishes this context's connections (the provider's connector).
-  transport::Connector& connector() { return *connector_; }
-
-  // Internal state shared by the connection layer's parts. Opaque to users.
-  struct Shared;
-  Shared& shared() { return *shared_; }
-
  private:
+  friend class internal::ContextAccess;
   Context() = default;
   Reactor* reactor_ = nullptr;
   transport::Device* device_ = nullptr;
@@ -85,7 +87,7 @@ class Context {
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<transport::RegistrationCache> reg_cache_;
   std::unique_ptr<transport::Connector> connector_;
-  std::unique_ptr<Shared> shared_;
+  std::unique_ptr<internal::ContextShared> shared_;
 };
 
 }  // namespace coverbs::cm

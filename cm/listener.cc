@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cm/connection_setup.h"
+#include "cm/context_shared.h"
 #include "transport/connector.h"
 
 namespace coverbs::cm {
@@ -26,7 +27,9 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
 
 }  // namespace
 
-struct ConnectRequest::State {
+namespace internal {
+
+struct ConnectRequestState {
   Context* listener_ctx = nullptr;
   Listener::Stats* stats = nullptr;
   std::weak_ptr<bool> listener_alive;
@@ -36,27 +39,32 @@ struct ConnectRequest::State {
   std::unique_ptr<transport::IncomingRequest> request;
 };
 
-struct Listener::State {
+struct ListenerState {
   Context* ctx = nullptr;
   std::string address;
   uint16_t port = 0;
   ListenerOptions options;
   bool closed = false;
-  Stats stats;
+  Listener::Stats stats;
   std::shared_ptr<bool> alive = std::make_shared<bool>(true);
   std::shared_ptr<transport::PassiveEndpoint> endpoint;
 };
 
+}  // namespace internal
+
+using internal::ConnectRequestState;
+using internal::ListenerState;
+
 namespace {
 
-void CountReject(ConnectRequest::State& st, std::string_view reason) {
+void CountReject(ConnectRequestState& st, std::string_view reason) {
   if (!st.listener_alive.expired() && st.stats != nullptr) {
     ++st.stats->rejected;
     st.stats->last_reject_reason = std::string(reason);
   }
 }
 
-absl::Status RejectState(ConnectRequest::State& st, std::string_view reason) {
+absl::Status RejectState(ConnectRequestState& st, std::string_view reason) {
   st.decided = true;
   CountReject(st, reason);
   return st.request->Reject(reason);
@@ -64,7 +72,7 @@ absl::Status RejectState(ConnectRequest::State& st, std::string_view reason) {
 
 }  // namespace
 
-ConnectRequest::ConnectRequest(std::unique_ptr<State> s)
+ConnectRequest::ConnectRequest(std::unique_ptr<ConnectRequestState> s)
     : state_(std::move(s)) {}
 
 ConnectRequest::~ConnectRequest() {
@@ -84,7 +92,7 @@ absl::Status ConnectRequest::Reject(std::string_view reason) {
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
     Context& ctx) {
-  State& st = *state_;
+  ConnectRequestState& st = *state_;
   std::string where =
       absl::StrCat("accept from ", Endpoint(st.peer.address, st.peer.port));
   if (st.decided) {
@@ -104,7 +112,8 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
     co_return Annotate(setup.status(), where);
   }
   st.decided = true;
-  auto est = co_await st.request->Accept(ctx.connector(), **setup, deadline);
+  auto est = co_await st.request->Accept(internal::ConnectorOf(ctx), **setup,
+                                         deadline);
   if (!est.ok()) {
     if (st.request->rejected()) CountReject(st, st.request->reject_reason());
     co_return est.status();
@@ -117,7 +126,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
 
 // ---------------------------------------------------------------------------
 
-Listener::Listener(std::unique_ptr<State> s) : state_(std::move(s)) {}
+Listener::Listener(std::unique_ptr<ListenerState> s) : state_(std::move(s)) {}
 Listener::~Listener() { Close(); }
 
 uint16_t Listener::port() const { return state_->port; }
@@ -133,11 +142,12 @@ void Listener::Close() {
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
     Context& ctx, std::string address, uint16_t port, ListenerOptions options) {
-  auto st = std::make_unique<State>();
+  auto st = std::make_unique<ListenerState>();
   st->ctx = &ctx;
   st->address = address;
   st->options = std::move(options);
-  auto ep = ctx.connector().Listen(address, port, st->options.backlog);
+  auto ep =
+      internal::ConnectorOf(ctx).Listen(address, port, st->options.backlog);
   if (!ep.ok()) return ep.status();
   st->endpoint = *std::move(ep);
   st->port = st->endpoint->port();
@@ -145,7 +155,7 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
 }
 
 Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
-  State& st = *state_;
+  ListenerState& st = *state_;
   std::string where = absl::StrCat("listener ", Endpoint(st.address, st.port));
   for (;;) {
     if (st.closed) {
@@ -159,7 +169,7 @@ Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
       if (in.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
       co_return in.status();
     }
-    auto req = std::make_unique<ConnectRequest::State>();
+    auto req = std::make_unique<ConnectRequestState>();
     req->listener_ctx = st.ctx;
     req->stats = &st.stats;
     req->listener_alive = st.alive;

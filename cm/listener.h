@@ -28,6 +28,11 @@
 
 namespace coverbs::cm {
 
+namespace internal {
+struct ConnectRequestState;  // listener.cc
+struct ListenerState;
+}  // namespace internal
+
 class Listener;
 
 // A connection request: inspect the peer, then Accept or Reject. Destroying
@@ -44,12 +49,10 @@ class ConnectRequest {
   // Rejects with `reason` (the connecting side gets PermissionDenied with it).
   absl::Status Reject(std::string_view reason);
 
-  struct State;  // internal
-
  private:
   friend class Listener;
-  explicit ConnectRequest(std::unique_ptr<State> s);
-  std::unique_ptr<State> state_;
+  explicit ConnectRequest(std::unique_ptr<internal::ConnectRequestState> s);
+  std::unique_ptr<internal::ConnectRequestState> state_;
 };
 
 struct ListenerOptions {
@@ -91,11 +94,9 @@ class Listener {
   };
   const Stats& stats() const;
 
-  struct State;  // internal
-
  private:
-  explicit Listener(std::unique_ptr<State> s);
-  std::unique_ptr<State> state_;
+  explicit Listener(std::unique_ptr<internal::ListenerState> s);
+  std::unique_ptr<internal::ListenerState> state_;
 };
 
 }  // namespace coverbs::cm

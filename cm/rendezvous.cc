@@ -197,7 +197,7 @@ bool ConnectionImpl::OnCts(RecvSlot* slot, const WireHeader& h) {
 LargeBuffer* ConnectionImpl::NewRendezvousBuffer(uint32_t length) {
   auto* lb = new LargeBuffer();
   lb->size = length;
-  lb->cache = ctx_.shared().large_memory;
+  lb->cache = SharedOf(ctx_).large_memory;
   LargeMemoryCache::Block block = lb->cache->Get(length);
   lb->mem = block.mem;
   lb->capacity = block.capacity;

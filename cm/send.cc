@@ -87,7 +87,7 @@ ConnectionImpl::AcquireSend() {
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
-  Context::Shared& sh = ctx_.shared();
+  ContextShared& sh = SharedOf(ctx_);
   size_t size = kHeaderSize + options_.rendezvous_threshold;
   auto it = sh.send_pools.find(size);
   if (it != sh.send_pools.end()) return it->second.get();

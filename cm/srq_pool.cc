@@ -15,7 +15,7 @@ namespace internal {
 void DetachSrqPool(SrqPool* pool) { pool->Detach(); }
 
 absl::StatusOr<SrqPool*> SrqPool::For(Context& ctx) {
-  Context::Shared& sh = ctx.shared();
+  ContextShared& sh = SharedOf(ctx);
   if (sh.srq_pool != nullptr) return sh.srq_pool;
   const ContextOptions& o = ctx.options();
   if (o.srq_depth == 0) {

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cm/connect.h"
+#include "cm/connect_for_test.h"
 #include "cm/connection.h"
 #include "cm/context.h"
 #include "cm/handshake.h"
@@ -394,8 +395,8 @@ TEST_P(CmTest, VersionMismatchAndGarbageAreRejectedWithReason) {
     auto enc = EncodeHandshake(h);
     CO_ASSERT_OK(enc);
     ConnectOptions co;
-    co.raw_private_data_for_test = *enc;
-    auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+    auto c = co_await internal::ConnectWithPrivateData(
+        *t->client_ctx_, t->addr_, (*ln)->port(), co, *enc);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied)
         << c.status();
     EXPECT_NE(std::string(c.status().message()).find("version mismatch"),
@@ -403,9 +404,9 @@ TEST_P(CmTest, VersionMismatchAndGarbageAreRejectedWithReason) {
         << c.status();
     EXPECT_NE((*ln)->stats().last_reject_reason.find("version mismatch"),
               std::string::npos);
-    ConnectOptions garbage;
-    garbage.raw_private_data_for_test = "this is not a handshake at all";
-    c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), garbage);
+    const std::string garbage = "this is not a handshake at all";
+    c = co_await internal::ConnectWithPrivateData(*t->client_ctx_, t->addr_,
+                                                  (*ln)->port(), co, garbage);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied)
         << c.status();
     EXPECT_NE(std::string(c.status().message()).find("bad magic"),
