@@ -42,7 +42,6 @@
 #include "absl/time/time.h"
 #include "cm/context.h"
 #include "cm/handshake.h"
-#include "cm/link.h"
 #include "core/task.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
@@ -86,6 +85,7 @@ struct PeerInfo {
 
 namespace internal {
 class ConnectionImpl;
+class ConnectionSetup;
 class MessageBuffer;  // owner of a received message's memory
 }  // namespace internal
 
@@ -140,9 +140,9 @@ class Connection {
   // not registered in this connection's PD with the asked remote access
   // (IBV_ACCESS_REMOTE_READ / _WRITE / _ATOMIC). Revocation: deregister the
   // region; later peer accesses fail with a remote access error.
-  absl::StatusOr<RegionToken> Expose(const transport::MemoryRegion& mr,
-                                     int access, size_t offset = 0,
-                                     size_t length = transport::MemoryRegion::npos);
+  absl::StatusOr<RegionToken> Expose(
+      const transport::MemoryRegion& mr, int access, size_t offset = 0,
+      size_t length = transport::MemoryRegion::npos);
   Task<absl::Status> Read(transport::LocalBuffer local,
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,
@@ -163,6 +163,9 @@ class Connection {
   // OK while usable; else why it went down.
   absl::Status status() const;
   const PeerInfo& peer() const;
+  // What this side announced in its handshake (credits, receive buffer
+  // size, largest message; on the connecting side, the app data).
+  const Handshake& local_handshake() const;
   Context& context() const;
   transport::QueuePair& qp() const;
   // "conn 7 (10.0.0.1:4791 -> 10.0.0.2:7471, qp 17)".
@@ -183,23 +186,8 @@ class Connection {
   };
   Stats stats() const;
 
-  // --- Internal: used by the connection-establishment code (cm/*.cc).
-  // QP options a connection with `o` needs (depths, SRQ).
-  // Creates the Context's SRQ on first use.
-  static absl::StatusOr<transport::QpOptions> QpOptionsFor(
-      Context& ctx, const ConnectionOptions& o);
-  // Wraps a not yet connected QP (INIT; receives may be posted) and posts the
-  // receive ring so the credits in LocalHandshake() are real before the peer
-  // can send.
-  static absl::StatusOr<std::unique_ptr<Connection>> CreateUnstarted(
-      Context& ctx, std::unique_ptr<transport::QueuePair> qp,
-      const ConnectionOptions& o, bool active_side);
-  Handshake LocalHandshake() const;
-  // The QP is connected (RTS): validates the peer's handshake against ours
-  // and starts messaging.
-  absl::Status Start(PeerInfo peer, std::unique_ptr<internal::Link> link);
-
  private:
+  friend class internal::ConnectionSetup;  // creates and starts Connections
   explicit Connection(std::shared_ptr<internal::ConnectionImpl> impl);
   std::shared_ptr<internal::ConnectionImpl> impl_;
 };

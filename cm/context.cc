@@ -1,7 +1,6 @@
 #include "cm/context.h"
 
 #include "absl/status/status.h"
-#include "cm/cm_events.h"
 #include "cm/context_shared.h"
 
 namespace coverbs::cm {
@@ -24,12 +23,15 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
     ctx->owned_pd_ = std::move(*pd);
     ctx->pd_ = ctx->owned_pd_.get();
   }
-  auto cq = transport::CompletionQueue::Create(device, reactor,
-                                               options.cq_entries);
+  auto cq =
+      transport::CompletionQueue::Create(device, reactor, options.cq_entries);
   if (!cq.ok()) return cq.status();
   ctx->cq_ = std::move(*cq);
+  auto connector = transport::OpenConnector(device, reactor);
+  if (!connector.ok()) return connector.status();
+  ctx->connector_ = *std::move(connector);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
-  ctx->shared_ = std::make_unique<Shared>();
+  ctx->shared_ = std::make_unique<internal::ContextShared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
   return ctx;
@@ -39,20 +41,10 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
 // state (pools, SRQ) goes before the CQ and PD it was created on.
 Context::~Context() {
   shared_.reset();
-  cm_events_.reset();
+  connector_.reset();
   reg_cache_.reset();
   cq_.reset();
   owned_pd_.reset();
-}
-
-absl::StatusOr<internal::CmEventChannel*> Context::cm_events() {
-  if (device_->caps().provider != "verbs") return nullptr;
-  if (cm_events_ == nullptr) {
-    auto ch = internal::CmEventChannel::Create(*reactor_);
-    if (!ch.ok()) return ch.status();
-    cm_events_ = std::move(*ch);
-  }
-  return cm_events_.get();
 }
 
 }  // namespace coverbs::cm

@@ -4,9 +4,9 @@
 // one is shared in), the completion queue every connection of the reactor
 // completes into, the registered buffer pools connections draw their
 // receive rings and send buffers from, the registration cache used for
-// zero-copy rendezvous, and -- verbs provider -- the rdma_cm event channel,
-// watched by the reactor, whose events are dispatched to the coroutine
-// waiting on the cm_id they belong to (and always acked).
+// zero-copy rendezvous, and the transport::Connector that establishes its
+// connections (verbs: rdma_cm, its event channel watched by the reactor;
+// soft: TCP setup).
 //
 // Lifetime: a Context outlives every Listener and Connection created on it.
 // Thread: used only from its reactor's thread.
@@ -23,11 +23,16 @@
 #include "transport/memory.h"
 #include "transport/queue_pair.h"
 
+namespace coverbs::transport {
+class Connector;
+}  // namespace coverbs::transport
+
 namespace coverbs::cm {
 
 namespace internal {
-class CmEventChannel;  // verbs: rdma_event_channel + dispatch (listener.cc)
-}
+struct ContextShared;  // context_shared.h
+class ContextAccess;
+}  // namespace internal
 
 struct ContextOptions {
   int cq_entries = 0;  // 0: CompletionQueue's default
@@ -64,21 +69,15 @@ class Context {
   // The shared receive queue (ConnectionOptions::use_srq); zeros before
   // the first connection that uses it.
   struct SrqUsage {
-    uint32_t buffers = 0;   // allocated (and registered), <= srq_depth
-    uint32_t posted = 0;    // of those, posted in the SRQ now
-    int64_t promised = 0;   // receives promised to connections
-    size_t bytes = 0;       // memory of the buffers
+    uint32_t buffers = 0;  // allocated (and registered), <= srq_depth
+    uint32_t posted = 0;   // of those, posted in the SRQ now
+    int64_t promised = 0;  // receives promised to connections
+    size_t bytes = 0;      // memory of the buffers
   };
   SrqUsage srq_usage() const;
 
-  // verbs only (nullptr on soft); created on first use.
-  absl::StatusOr<internal::CmEventChannel*> cm_events();
-
-  // Internal state shared by the connection layer's parts. Opaque to users.
-  struct Shared;
-  Shared& shared() { return *shared_; }
-
  private:
+  friend class internal::ContextAccess;
   Context() = default;
   Reactor* reactor_ = nullptr;
   transport::Device* device_ = nullptr;
@@ -87,8 +86,8 @@ class Context {
   transport::ProtectionDomain* pd_ = nullptr;
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<transport::RegistrationCache> reg_cache_;
-  std::unique_ptr<internal::CmEventChannel> cm_events_;
-  std::unique_ptr<Shared> shared_;
+  std::unique_ptr<transport::Connector> connector_;
+  std::unique_ptr<internal::ContextShared> shared_;
 };
 
 }  // namespace coverbs::cm

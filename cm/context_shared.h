@@ -1,6 +1,7 @@
 // Internal: per-Context state owned by the messaging half of the cm layer
-// (buffer pools, the shared receive queue, connection ids). Created empty by
-// Context::Create; connection.cc fills it lazily.
+// (buffer pools, the shared receive queue, connection ids), created empty by
+// Context::Create and filled lazily, and the internal accessors of a
+// Context.
 #ifndef COVERBS_CM_CONTEXT_SHARED_H_
 #define COVERBS_CM_CONTEXT_SHARED_H_
 
@@ -11,30 +12,50 @@
 
 #include "cm/context.h"
 #include "cm/large_memory_cache.h"
+#include "transport/connector.h"
 #include "transport/memory.h"
 
-namespace coverbs::cm {
-namespace internal {
-struct SrqPool;  // connection.cc
+namespace coverbs::cm::internal {
+
+struct SrqPool;  // srq_pool.h
 // Destroys the SRQ; the buffers go with the last Message holding one.
 void DetachSrqPool(SrqPool* pool);
-}  // namespace internal
 
-struct Context::Shared {
-  ~Shared() {
-    if (srq_pool != nullptr) internal::DetachSrqPool(srq_pool);
+struct ContextShared {
+  ~ContextShared() {
+    if (srq_pool != nullptr) DetachSrqPool(srq_pool);
   }
   uint64_t next_connection_id = 1;
   // Registered send buffers, by buffer size, shared by the connections.
   std::map<size_t, std::unique_ptr<transport::BufferPool>> send_pools;
   // Rendezvous receive memory (a Message holding some may outlive the
   // Context, hence shared).
-  std::shared_ptr<internal::LargeMemoryCache> large_memory;
+  std::shared_ptr<LargeMemoryCache> large_memory;
   // The shared receive queue and its buffers (ConnectionOptions::use_srq);
   // created by the first connection that asks for it.
-  internal::SrqPool* srq_pool = nullptr;
+  SrqPool* srq_pool = nullptr;
 };
 
-}  // namespace coverbs::cm
+// The parts of a Context only the cm layer uses.
+class ContextAccess {
+ public:
+  static ContextShared& Shared(Context& ctx) { return *ctx.shared_; }
+  static const ContextShared& Shared(const Context& ctx) {
+    return *ctx.shared_;
+  }
+  // Establishes the Context's connections (its provider's connector).
+  static transport::Connector& Connector(Context& ctx) {
+    return *ctx.connector_;
+  }
+};
+
+inline ContextShared& SharedOf(Context& ctx) {
+  return ContextAccess::Shared(ctx);
+}
+inline transport::Connector& ConnectorOf(Context& ctx) {
+  return ContextAccess::Connector(ctx);
+}
+
+}  // namespace coverbs::cm::internal
 
 #endif  // COVERBS_CM_CONTEXT_SHARED_H_

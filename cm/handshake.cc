@@ -57,9 +57,9 @@ absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> d) {
   Handshake h;
   h.version = Get<uint16_t>(d, 4);
   if (h.version != kProtocolVersion) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "protocol version mismatch: peer speaks %d, local %d", h.version,
-        kProtocolVersion));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("protocol version mismatch: peer speaks %d, local %d",
+                        h.version, kProtocolVersion));
   }
   if (d.size() < kHandshakeSize) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -97,22 +97,6 @@ absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> d) {
   h.app_data.assign(reinterpret_cast<const char*>(d.data()) + kHandshakeSize,
                     app_len);
   return h;
-}
-
-std::string EncodeReject(std::string_view reason) {
-  if (reason.size() > kMaxRejectReason) reason = reason.substr(0, kMaxRejectReason);
-  std::string out(6 + reason.size(), '\0');
-  Put<uint32_t>(out, 0, kRejectMagic);
-  Put<uint16_t>(out, 4, static_cast<uint16_t>(reason.size()));
-  std::memcpy(out.data() + 6, reason.data(), reason.size());
-  return out;
-}
-
-std::string DecodeReject(std::span<const std::byte> d) {
-  if (d.size() < 6 || Get<uint32_t>(d, 0) != kRejectMagic) return "";
-  uint16_t n = Get<uint16_t>(d, 4);
-  if (n > kMaxRejectReason || d.size() < 6u + n) return "";
-  return std::string(reinterpret_cast<const char*>(d.data()) + 6, n);
 }
 
 }  // namespace coverbs::cm

@@ -18,8 +18,7 @@
 //  32  app data
 // IB limits connect private data to 56 bytes, hence kMaxAppData = 24.
 //
-// A reject carries a reason: u32 kRejectMagic, u16 length, then UTF-8 text
-// (truncated to what the transport allows: 148 bytes on IB).
+// A reject carries a reason (transport::EncodeReject, transport/connector.h).
 #ifndef COVERBS_CM_HANDSHAKE_H_
 #define COVERBS_CM_HANDSHAKE_H_
 
@@ -33,14 +32,12 @@
 namespace coverbs::cm {
 
 inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
-inline constexpr uint32_t kRejectMagic = 0x52425643;     // "CVBR"
 // 2: CTS travels in reserved receives, without credits (cm/wire.h).
 // 3: max_credits (credits may grow past the initial grant) and the
 //    kFlagCreditLow header flag, for receivers with a shared receive queue.
 inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
-inline constexpr size_t kMaxRejectReason = 140;
 
 enum Capability : uint32_t {
   kCapWriteWithImm = 1u << 0,  // the sender may complete rendezvous by imm
@@ -64,10 +61,6 @@ absl::StatusOr<std::string> EncodeHandshake(const Handshake& h);
 // both versions; zero credits, max_credits below credits or a receive
 // buffer smaller than a message header give InvalidArgument.
 absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> data);
-
-std::string EncodeReject(std::string_view reason);
-// The reason inside a reject's private data, or "" if it is not ours.
-std::string DecodeReject(std::span<const std::byte> data);
 
 }  // namespace coverbs::cm
 

@@ -31,7 +31,8 @@ LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
       return {p, capacity};
     }
   }
-  return {static_cast<std::byte*>(std::aligned_alloc(4096, capacity)), capacity};
+  return {static_cast<std::byte*>(std::aligned_alloc(4096, capacity)),
+          capacity};
 }
 
 void LargeMemoryCache::Put(Block b) {

@@ -1,18 +1,13 @@
-// Establishing connections: Listener / Accept and Connect, over rdma_cm
-// (verbs provider) or the soft provider's TCP-based setup, which has the same
-// steps, events and private-data semantics.
+// Accepting connections: a Listener binds and listens; each valid request
+// (its handshake decoded) can be inspected, then accepted on any reactor's
+// Context or rejected with a reason the connecting side receives.
 //
 //   auto ln = cm::Listener::Create(ctx, "127.0.0.1", 0);
 //   auto conn = co_await (*ln)->Accept();
-//   ...
-//   auto conn = co_await cm::Connect(ctx, "127.0.0.1", port);
 //
-// Every step has a timeout, and every rdma_cm failure event is a distinct
-// Status: ADDR_ERROR / ROUTE_ERROR -> Unavailable "address|route resolution
-// failed", resolve timeouts -> DeadlineExceeded, UNREACHABLE and a port with
-// no listener -> Unavailable "unreachable", REJECTED -> PermissionDenied
-// carrying the peer's reason, CONNECT_ERROR -> Unavailable, DEVICE_REMOVAL ->
-// Aborted. Each message names the address, the port and the step.
+// Requests with a handshake that does not decode (garbage, another protocol
+// version) are rejected with the reason and never returned. Each step is
+// bounded by ListenerOptions::accept_timeout. Connecting: cm/connect.h.
 #ifndef COVERBS_CM_LISTENER_H_
 #define COVERBS_CM_LISTENER_H_
 
@@ -27,28 +22,16 @@
 #include "cm/connection.h"
 #include "cm/context.h"
 #include "core/task.h"
+// Connect used to be declared here; callers that still include only this
+// header for it keep building until they include cm/connect.h.
+#include "cm/connect.h"  // IWYU pragma: export
 
 namespace coverbs::cm {
 
-struct ConnectOptions {
-  ConnectionOptions connection;
-  absl::Duration resolve_timeout = absl::Seconds(2);  // address, then route
-  absl::Duration connect_timeout = absl::Seconds(5);  // until ESTABLISHED
-  std::string app_data;  // <= kMaxAppData bytes, shown to the listener
-  // Tests only: sent instead of the encoded handshake (garbage, other
-  // protocol versions).
-  std::string raw_private_data_for_test;
-};
-
-// Resolves, creates the QP on ctx's CQ, connects with the handshake in the
-// private data, waits for ESTABLISHED. Cancellable (stop token).
-Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port,
-    const ConnectOptions& options);
-// With default options. (An overload, not a default argument: gcc 12
-// mis-copies default-argument temporaries inside co_await expressions.)
-Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port);
+namespace internal {
+struct ConnectRequestState;  // listener.cc
+struct ListenerState;
+}  // namespace internal
 
 class Listener;
 
@@ -66,12 +49,10 @@ class ConnectRequest {
   // Rejects with `reason` (the connecting side gets PermissionDenied with it).
   absl::Status Reject(std::string_view reason);
 
-  struct State;  // internal
-
  private:
   friend class Listener;
-  explicit ConnectRequest(std::unique_ptr<State> s);
-  std::unique_ptr<State> state_;
+  explicit ConnectRequest(std::unique_ptr<internal::ConnectRequestState> s);
+  std::unique_ptr<internal::ConnectRequestState> state_;
 };
 
 struct ListenerOptions {
@@ -113,11 +94,9 @@ class Listener {
   };
   const Stats& stats() const;
 
-  struct State;  // internal
-
  private:
-  explicit Listener(std::unique_ptr<State> s);
-  std::unique_ptr<State> state_;
+  explicit Listener(std::unique_ptr<internal::ListenerState> s);
+  std::unique_ptr<internal::ListenerState> state_;
 };
 
 }  // namespace coverbs::cm

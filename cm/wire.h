@@ -70,9 +70,9 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
   switch (h.type) {
     case kData:
       if (h.length != payload || h.length > slot_size - kHeaderSize) {
-        return absl::DataLossError(absl::StrFormat(
-            "data message announces %d bytes but carries %d", h.length,
-            payload));
+        return absl::DataLossError(
+            absl::StrFormat("data message announces %d bytes but carries %d",
+                            h.length, payload));
       }
       break;
     case kRts:
@@ -84,8 +84,8 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
       break;
     case kCts:
       if (payload != kCtsSize || h.length != kCtsSize) {
-        return absl::DataLossError(absl::StrFormat(
-            "malformed rendezvous grant (%d bytes)", payload));
+        return absl::DataLossError(
+            absl::StrFormat("malformed rendezvous grant (%d bytes)", payload));
       }
       break;
     default:

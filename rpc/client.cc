@@ -136,7 +136,7 @@ std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
   auto st = std::make_shared<State>();
   st->reactor = &conn->context().reactor();
   st->options = options;
-  cm::Handshake local = conn->LocalHandshake();
+  cm::Handshake local = conn->local_handshake();
   st->eager_max = local.recv_buffer_size;
   uint64_t mine = local.max_message_size;
   st->limits.max_payload = std::min<uint64_t>(

@@ -227,7 +227,7 @@ Task<void> Server::Serve(std::unique_ptr<cm::Connection> conn) {
 Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   stats_.connections.fetch_add(1);
   cm::Connection& conn = *c->conn;
-  cm::Handshake local = conn.LocalHandshake();
+  cm::Handshake local = conn.local_handshake();
   c->eager_max = local.recv_buffer_size;
   c->max_held = std::max<uint32_t>(1, local.credits / 2);
   uint64_t conn_max = conn.peer().handshake.max_message_size;

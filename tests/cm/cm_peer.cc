@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "cm/connect.h"
 #include "cm/connection.h"
 #include "cm/context.h"
-#include "cm/listener.h"
 #include "core/reactor.h"
 #include "transport/device.h"
 
@@ -47,6 +47,6 @@ int main(int argc, char** argv) {
   if (!d.ok()) return 4;
   auto ctx = coverbs::cm::Context::Create(**r, **d);
   if (!ctx.ok()) return 5;
-  return (*r)->BlockOn(Main(ctx->get(), argv[2],
-                            static_cast<uint16_t>(std::atoi(argv[3]))));
+  return (*r)->BlockOn(
+      Main(ctx->get(), argv[2], static_cast<uint16_t>(std::atoi(argv[3]))));
 }

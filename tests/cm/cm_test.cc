@@ -22,6 +22,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "cm/connect.h"
+#include "cm/connect_for_test.h"
 #include "cm/connection.h"
 #include "cm/context.h"
 #include "cm/handshake.h"
@@ -47,13 +49,13 @@ absl::Status StatusOf(const absl::StatusOr<T>& s) {
 inline absl::Status StatusOf(const absl::Status& s) { return s; }
 
 // ASSERT for coroutine test bodies (gtest's ASSERT_* use `return`).
-#define CO_ASSERT_OK(expr)                                  \
-  do {                                                      \
-    absl::Status _st = StatusOf(expr);                      \
-    if (!_st.ok()) {                                        \
-      ADD_FAILURE() << #expr << ": " << _st;                \
-      co_return;                                            \
-    }                                                       \
+#define CO_ASSERT_OK(expr)                   \
+  do {                                       \
+    absl::Status _st = StatusOf(expr);       \
+    if (!_st.ok()) {                         \
+      ADD_FAILURE() << #expr << ": " << _st; \
+      co_return;                             \
+    }                                        \
   } while (0)
 #define CO_ASSERT_TRUE(cond)               \
   do {                                     \
@@ -87,7 +89,7 @@ bool Same(std::span<const std::byte> a, std::span<const std::byte> b) {
 }
 
 class CmTest : public ::testing::TestWithParam<std::string> {
-  public:
+ public:
   void SetUp() override {
     auto r = Reactor::Create();
     ASSERT_TRUE(r.ok()) << r.status();
@@ -280,8 +282,8 @@ TEST_P(CmTest, RejectWithReasonFromAdmit) {
     auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied)
         << c.status();
-    EXPECT_NE(std::string(c.status().message()).find(
-                  "tenant bad-tenant is not allowed"),
+    EXPECT_NE(std::string(c.status().message())
+                  .find("tenant bad-tenant is not allowed"),
               std::string::npos)
         << c.status();
     EXPECT_EQ((*ln)->stats().rejected, 1u);
@@ -393,8 +395,8 @@ TEST_P(CmTest, VersionMismatchAndGarbageAreRejectedWithReason) {
     auto enc = EncodeHandshake(h);
     CO_ASSERT_OK(enc);
     ConnectOptions co;
-    co.raw_private_data_for_test = *enc;
-    auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
+    auto c = co_await internal::ConnectWithPrivateData(
+        *t->client_ctx_, t->addr_, (*ln)->port(), co, *enc);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied)
         << c.status();
     EXPECT_NE(std::string(c.status().message()).find("version mismatch"),
@@ -402,9 +404,9 @@ TEST_P(CmTest, VersionMismatchAndGarbageAreRejectedWithReason) {
         << c.status();
     EXPECT_NE((*ln)->stats().last_reject_reason.find("version mismatch"),
               std::string::npos);
-    ConnectOptions garbage;
-    garbage.raw_private_data_for_test = "this is not a handshake at all";
-    c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), garbage);
+    const std::string garbage = "this is not a handshake at all";
+    c = co_await internal::ConnectWithPrivateData(*t->client_ctx_, t->addr_,
+                                                  (*ln)->port(), co, garbage);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied)
         << c.status();
     EXPECT_NE(std::string(c.status().message()).find("bad magic"),
@@ -495,8 +497,9 @@ TEST_P(CmTest, HundredConcurrentConnections) {
         for (int i = 0; i < kConns; ++i) {
           if (!clients[i].ok()) continue;
           std::string msg = absl::StrCat("conn-", i);
-          CO_ASSERT_OK(co_await (*clients[i])->Send(
-              std::as_bytes(std::span(msg.data(), msg.size()))));
+          CO_ASSERT_OK(
+              co_await (*clients[i])
+                  ->Send(std::as_bytes(std::span(msg.data(), msg.size()))));
         }
         int matched = 0;
         for (auto& s : servers) {
@@ -591,8 +594,8 @@ TEST_P(CmTest, MessageSizesWithVerification) {
         auto p = co_await t->MakePair();
         CO_ASSERT_OK(p);
         size_t thr = ConnectionOptions().rendezvous_threshold;
-        std::vector<size_t> sizes = {1,       4096,      thr - 1,  thr,
-                                     thr + 1, 1u << 20,  64u << 20};
+        std::vector<size_t> sizes = {1,       4096,     thr - 1,  thr,
+                                     thr + 1, 1u << 20, 64u << 20};
         uint8_t seed = 0;
         for (size_t n : sizes) {
           auto data = Pattern(n, ++seed);
@@ -710,8 +713,9 @@ TEST_P(CmTest, CloseWithOperationsInFlight) {
         wg->Done();
       };
       t->reactor_->Spawn(one(p->client.get(),
-                             i % 4 == 0 ? std::span<const std::byte>(big)
-                                        : std::span<const std::byte>(big).first(64),
+                             i % 4 == 0
+                                 ? std::span<const std::byte>(big)
+                                 : std::span<const std::byte>(big).first(64),
                              &wg, &done));
     }
     wg.Add();
@@ -739,12 +743,14 @@ TEST_P(CmTest, PeerQpErrorFailsEveryWaiter) {
     WaitGroup wg;
     absl::Status recv_status, send_status;
     wg.Add(2);
-    auto rcv = [](Connection* c, WaitGroup* wg, absl::Status* out) -> Task<void> {
+    auto rcv = [](Connection* c, WaitGroup* wg,
+                  absl::Status* out) -> Task<void> {
       auto m = co_await c->Recv();
       *out = m.status();
       wg->Done();
     };
-    auto snd = [](Connection* c, WaitGroup* wg, absl::Status* out) -> Task<void> {
+    auto snd = [](Connection* c, WaitGroup* wg,
+                  absl::Status* out) -> Task<void> {
       std::vector<std::byte> big(8 << 20);
       *out = co_await c->Send(big);  // a rendezvous the peer never finishes
       wg->Done();
@@ -803,13 +809,13 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
                  IBV_ACCESS_REMOTE_WRITE |
                  (t->device_->caps().atomics ? IBV_ACCESS_REMOTE_ATOMIC : 0);
-    auto mr = t->server_ctx_->pd().Register(region.data(), region.size(),
-                                            access);
+    auto mr =
+        t->server_ctx_->pd().Register(region.data(), region.size(), access);
     CO_ASSERT_OK(mr);
     auto bad = p->server->Expose(*mr, IBV_ACCESS_REMOTE_ATOMIC | 0x100000);
     EXPECT_FALSE(bad.ok());
-    auto tok = p->server->Expose(*mr, IBV_ACCESS_REMOTE_READ |
-                                          IBV_ACCESS_REMOTE_WRITE);
+    auto tok = p->server->Expose(
+        *mr, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE);
     CO_ASSERT_OK(tok);
     // iWARP: the active side (client) speaks first, so it asks for it.
     CO_ASSERT_OK(co_await p->client->Send(Pattern(4, 1)));

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "transport/connector.h"
 
 namespace coverbs::cm {
 namespace {
@@ -66,8 +67,8 @@ TEST(Handshake, VersionMismatchNamesBothVersions) {
   auto d = DecodeHandshake(B(*enc));
   EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(std::string(d.status().message())
-                .find(absl::StrCat("peer speaks ", kProtocolVersion + 1, ", local ",
-                                   kProtocolVersion)),
+                .find(absl::StrCat("peer speaks ", kProtocolVersion + 1,
+                                   ", local ", kProtocolVersion)),
             std::string::npos)
       << d.status();
 }
@@ -117,16 +118,19 @@ TEST(Handshake, RandomAndTruncatedInputNeverCrash) {
       for (char& c : s) c = static_cast<char>(rng());
     }
     if (DecodeHandshake(B(s)).ok()) ++ok;
-    DecodeReject(B(s));
+    transport::DecodeReject(B(s));
   }
   EXPECT_LT(ok, 20000);
 }
 
+// The reject payload both connectors send (transport/connector.h).
 TEST(Reject, RoundTripsAndTruncates) {
+  using transport::DecodeReject;
+  using transport::EncodeReject;
   EXPECT_EQ(DecodeReject(B(EncodeReject("server is full"))), "server is full");
   std::string long_reason(500, 'r');
   EXPECT_EQ(DecodeReject(B(EncodeReject(long_reason))).size(),
-            kMaxRejectReason);
+            transport::kMaxRejectReason);
   EXPECT_EQ(DecodeReject(B(std::string("garbage"))), "");
 }
 

@@ -1,12 +1,12 @@
-// Internal (verbs provider): the rdma_cm event channel of one Context and
+// Internal (verbs provider): the rdma_cm event channel of one reactor and
 // the rdma_cm ids whose events it dispatches.
 //
 // The channel fd is watched by the Context's reactor. Each event is copied
 // (type, status, private data) into the queue of the CmId it belongs to --
 // CONNECT_REQUESTs go to the listening id, carrying a new CmId -- and acked at
 // once, so no id is ever destroyed with unacked events.
-#ifndef COVERBS_CM_CM_EVENTS_H_
-#define COVERBS_CM_CM_EVENTS_H_
+#ifndef COVERBS_TRANSPORT_RDMA_CM_EVENTS_H_
+#define COVERBS_TRANSPORT_RDMA_CM_EVENTS_H_
 
 #include <rdma/rdma_cma.h>
 
@@ -20,12 +20,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cm/link.h"
 #include "core/reactor.h"
 #include "core/sync.h"
 #include "core/task.h"
+#include "transport/connection_link.h"
 
-namespace coverbs::cm::internal {
+namespace coverbs::transport::rdma_cm {
 
 class CmId;
 
@@ -88,8 +88,7 @@ class CmId : public std::enable_shared_from_this<CmId> {
   std::string Describe() const { return describe_; }
 
   // For the channel's watch loop only.
-  static std::shared_ptr<CmId> AdoptRequest(CmEventChannel* ch,
-                                            rdma_cm_id* id);
+  static std::shared_ptr<CmId> AdoptRequest(CmEventChannel* ch, rdma_cm_id* id);
   void Deliver(CmEvent ev);  // on the channel's reactor thread
 
  private:
@@ -110,8 +109,8 @@ class CmId : public std::enable_shared_from_this<CmId> {
   std::string describe_;
 };
 
-std::unique_ptr<Link> MakeVerbsLink(std::shared_ptr<CmId> id);
+std::unique_ptr<ConnectionLink> MakeVerbsLink(std::shared_ptr<CmId> id);
 
-}  // namespace coverbs::cm::internal
+}  // namespace coverbs::transport::rdma_cm
 
-#endif  // COVERBS_CM_CM_EVENTS_H_
+#endif  // COVERBS_TRANSPORT_RDMA_CM_EVENTS_H_

@@ -1,5 +1,4 @@
-#include "cm/cm_events.h"
-#include "cm/trace.h"
+#include "transport/rdma_cm_events.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -12,8 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/timeout.h"
+#include "transport/cm_trace.h"
 
-namespace coverbs::cm::internal {
+namespace coverbs::transport::rdma_cm {
 
 struct CmEventChannel::Shared {
   rdma_event_channel* channel = nullptr;
@@ -62,9 +62,10 @@ Task<void> WatchLoop(Reactor* reactor,
             ev->param.conn.private_data_len);
       }
       rdma_cm_id* target = ev->id;
-      COVERBS_CM_TRACE("cm event ", rdma_event_str(ev->event), " status ",
-                       ev->status, " id ", absl::Hex(reinterpret_cast<uintptr_t>(ev->id)),
-                       " listen_id ", absl::Hex(reinterpret_cast<uintptr_t>(ev->listen_id)));
+      COVERBS_CM_TRACE(
+          "cm event ", rdma_event_str(ev->event), " status ", ev->status,
+          " id ", absl::Hex(reinterpret_cast<uintptr_t>(ev->id)), " listen_id ",
+          absl::Hex(reinterpret_cast<uintptr_t>(ev->listen_id)));
       if (ev->event == RDMA_CM_EVENT_CONNECT_REQUEST) {
         target = ev->listen_id;
         auto req = CmId::AdoptRequest(owner, ev->id);
@@ -115,9 +116,7 @@ absl::StatusOr<std::unique_ptr<CmEventChannel>> CmEventChannel::Create(
 
 CmEventChannel::~CmEventChannel() { stop_.request_stop(); }
 
-rdma_event_channel* CmEventChannel::channel() const {
-  return shared_->channel;
-}
+rdma_event_channel* CmEventChannel::channel() const { return shared_->channel; }
 
 // ---------------------------------------------------------------------------
 
@@ -245,9 +244,9 @@ Task<absl::Status> CmId::WaitDown(absl::Duration timeout) {
   };
   absl::Status s = co_await WithTimeout(wait(down_event_), timeout);
   if (!s.ok()) {
-    co_return absl::Status(s.code(),
-                           absl::StrCat(describe_, ": waiting for DISCONNECTED: ",
-                                        s.message()));
+    co_return absl::Status(
+        s.code(),
+        absl::StrCat(describe_, ": waiting for DISCONNECTED: ", s.message()));
   }
   co_return absl::OkStatus();
 }
@@ -257,7 +256,7 @@ void CmId::OnDown(std::function<void(absl::Status)> fn) {
 }
 
 namespace {
-class VerbsLink final : public Link {
+class VerbsLink final : public ConnectionLink {
  public:
   explicit VerbsLink(std::shared_ptr<CmId> id) : id_(std::move(id)) {}
   void Disconnect() override { id_->Disconnect(); }
@@ -274,8 +273,8 @@ class VerbsLink final : public Link {
 };
 }  // namespace
 
-std::unique_ptr<Link> MakeVerbsLink(std::shared_ptr<CmId> id) {
+std::unique_ptr<ConnectionLink> MakeVerbsLink(std::shared_ptr<CmId> id) {
   return std::make_unique<VerbsLink>(std::move(id));
 }
 
-}  // namespace coverbs::cm::internal
+}  // namespace coverbs::transport::rdma_cm

@@ -1,8 +1,7 @@
-// Internal: the seam between connection establishment (listener.cc,
-// connect.cc: rdma_cm or the soft provider's TCP setup) and messaging on an
-// established connection (connection.cc).
-#ifndef COVERBS_CM_LINK_H_
-#define COVERBS_CM_LINK_H_
+// The seam between connection establishment (rdma_cm, or the soft
+// provider's TCP setup) and messaging on the established connection (cm).
+#ifndef COVERBS_TRANSPORT_CONNECTION_LINK_H_
+#define COVERBS_TRANSPORT_CONNECTION_LINK_H_
 
 #include <functional>
 #include <string>
@@ -11,14 +10,14 @@
 #include "absl/time/time.h"
 #include "core/task.h"
 
-namespace coverbs::cm::internal {
+namespace coverbs::transport {
 
 // The connection-management side of one established connection: the
 // rdma_cm id (verbs) or the setup socket (soft). Owned by the Connection,
 // destroyed after its QueuePair (the QP is created on the cm_id).
-class Link {
+class ConnectionLink {
  public:
-  virtual ~Link() = default;
+  virtual ~ConnectionLink() = default;
 
   // Starts an orderly disconnect (rdma_disconnect; soft: the QP is moved to
   // error, which closes its socket). Idempotent. The QP goes to the error
@@ -42,6 +41,6 @@ class Link {
   virtual std::string Describe() const = 0;
 };
 
-}  // namespace coverbs::cm::internal
+}  // namespace coverbs::transport
 
-#endif  // COVERBS_CM_LINK_H_
+#endif  // COVERBS_TRANSPORT_CONNECTION_LINK_H_

@@ -1,0 +1,349 @@
+// The connection core: set-up (receive ring or SRQ promises, atomics
+// buffers, the handshake), start, failure and teardown.
+#include "cm/connection_impl.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cm/context_shared.h"
+#include "core/timeout.h"
+#include "transport/cm_trace.h"
+
+namespace coverbs::cm::internal {
+
+absl::Status ConnectionImpl::InitSrq() {
+  auto pool = SrqPool::For(ctx_);
+  if (!pool.ok()) {
+    return absl::Status(pool.status().code(),
+                        absl::StrCat(name_, ": ", pool.status().message()));
+  }
+  if ((*pool)->slot_size < kHeaderSize + options_.rendezvous_threshold) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: SRQ receive buffers of %d bytes cannot hold eager messages of "
+        "%d bytes + the %d-byte header (raise "
+        "ContextOptions::srq_buffer_size or lower rendezvous_threshold)",
+        name_, (*pool)->slot_size, options_.rendezvous_threshold, kHeaderSize));
+  }
+  if (options_.srq_initial_credits == 0 ||
+      options_.srq_initial_credits > options_.recv_credits) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": srq_initial_credits must be in [1, recv_credits = ",
+        options_.recv_credits, "], got ", options_.srq_initial_credits));
+  }
+  absl::Status s = (*pool)->Reserve(
+      options_.srq_initial_credits + kCreditReserve + kCtsReserve,
+      (*pool)->capacity, ctx_);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(name_, ": ", s.message()));
+  }
+  pool_ = *pool;
+  pool_->conns[id_] = this;
+  pool_->by_qp[qp_num_] = this;
+  slot_size_ = pool_->slot_size;
+  initial_credits_ = options_.srq_initial_credits;
+  return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::Init() {
+  if (options_.rendezvous_threshold == 0 ||
+      options_.rendezvous_threshold > (1u << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name_, ": rendezvous_threshold must be in [1, 1 MiB], got ",
+        options_.rendezvous_threshold));
+  }
+  if (options_.recv_credits < 2 || options_.recv_credits > 16384) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": recv_credits must be in [2, 16384], got ",
+                     options_.recv_credits));
+  }
+  if (options_.max_message_size == 0 ||
+      options_.max_message_size > kMaxWireLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": max_message_size must be in [1, ",
+                     kMaxWireLength, "], got ", options_.max_message_size));
+  }
+  if (options_.use_srq) {
+    absl::Status s = InitSrq();
+    if (!s.ok()) return s;
+    outstanding_ = initial_credits_;
+    return InitAtomics();
+  }
+  // The ring: recv_credits for messages plus kCreditReserve for credit
+  // messages, which are consumed at once and never count as credits.
+  ring_slots_ = options_.recv_credits + kCreditReserve + kCtsReserve;
+  auto* ring = new RecvRing();
+  ring->conn = this;
+  ring->slot_size =
+      (kHeaderSize + options_.rendezvous_threshold + 63) & ~size_t{63};
+  ring->mem_size = ring->slot_size * ring_slots_;
+  ring->mem = static_cast<std::byte*>(
+      std::aligned_alloc(4096, (ring->mem_size + 4095) & ~size_t{4095}));
+  if (ring->mem == nullptr) {
+    delete ring;
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name_, ": cannot allocate the receive ring"));
+  }
+  auto mr =
+      ctx_.pd().Register(ring->mem, ring->mem_size, IBV_ACCESS_LOCAL_WRITE);
+  if (!mr.ok()) {
+    delete ring;
+    return absl::Status(mr.status().code(),
+                        absl::StrCat(name_, ": registering the receive ring: ",
+                                     mr.status().message()));
+  }
+  ring->mr = std::move(*mr);
+  ring->slots.resize(ring_slots_);
+  ring_ = ring;
+  slot_size_ = ring->slot_size;
+  initial_credits_ = options_.recv_credits;
+  outstanding_ = initial_credits_;
+  for (uint32_t i = 0; i < ring_slots_; ++i) {
+    RecvSlot& s = ring->slots[i];
+    s.ring = ring;
+    s.data = ring->mem + i * ring->slot_size;
+    LocalBuffer b{s.data, static_cast<uint32_t>(ring->slot_size),
+                  ring->mr.lkey()};
+    absl::Status st = qp_->PostRecv(&s, std::span<const LocalBuffer>(&b, 1));
+    if (!st.ok()) {
+      return absl::Status(
+          st.code(),
+          absl::StrCat(name_, ": posting the receive ring: ", st.message()));
+    }
+  }
+  return InitAtomics();
+}
+
+absl::Status ConnectionImpl::InitAtomics() {
+  constexpr uint32_t kAtomicSlots = 16;
+  atomic_mem_ = std::make_unique<uint64_t[]>(kAtomicSlots);
+  auto amr =
+      ctx_.pd().Register(atomic_mem_.get(), kAtomicSlots * sizeof(uint64_t),
+                         IBV_ACCESS_LOCAL_WRITE);
+  if (!amr.ok()) return amr.status();
+  atomic_mr_ = std::move(*amr);
+  for (uint32_t i = 0; i < kAtomicSlots; ++i) atomic_free_.push_back(i);
+  atomic_slots_.Release(kAtomicSlots);
+  return absl::OkStatus();
+}
+
+Handshake ConnectionImpl::LocalHandshake() const {
+  Handshake h;
+  h.credits = initial_credits_;
+  h.max_credits = options_.recv_credits;
+  h.recv_buffer_size = static_cast<uint32_t>(slot_size_);
+  h.max_message_size = options_.max_message_size;
+  const transport::DeviceCaps& caps = qp_->caps();
+  if (caps.write_with_imm) h.caps |= kCapWriteWithImm;
+  if (caps.atomics) h.caps |= kCapAtomics;
+  return h;
+}
+
+absl::Status ConnectionImpl::Start(
+    PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link) {
+  peer_ = std::move(peer);
+  link_ = std::move(link);
+  if (link_ != nullptr) {
+    name_ = absl::StrFormat("conn %d (%s, qp 0x%x)", id_, link_->Describe(),
+                            qp_->qp_num());
+  }
+  const Handshake& h = peer_.handshake;
+  if (h.credits == 0 || h.credits > 16384) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": peer announced ", h.credits, " credits"));
+  }
+  // The peer's receive buffers must hold our largest eager message.
+  if (h.recv_buffer_size < kHeaderSize + options_.rendezvous_threshold) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: peer receive buffers (%d bytes) are smaller than our eager "
+        "messages (%d bytes + %d header): configure the same "
+        "rendezvous_threshold on both sides",
+        name_, h.recv_buffer_size, options_.rendezvous_threshold, kHeaderSize));
+  }
+  peer_max_ = std::min<uint64_t>(h.max_message_size, options_.max_message_size);
+  use_imm_ = (h.caps & kCapWriteWithImm) && qp_->caps().write_with_imm;
+  credits_.Release(h.credits);
+  started_ = true;
+  if (link_ != nullptr) {
+    std::weak_ptr<ConnectionImpl> weak = weak_from_this();
+    link_->OnDown([weak](absl::Status why) {
+      std::shared_ptr<ConnectionImpl> self = weak.lock();
+      if (self == nullptr) return;
+      // The rdma_cm event can overtake completions already in the CQ (on
+      // iWARP the peer's last messages and its GOODBYE arrive before the
+      // FIN that raised DISCONNECTED): take them first, so that messages
+      // sent before the peer closed are delivered, not lost.
+      if (self->status_.ok() && !self->qp_->in_error()) {
+        for (int i = 0; i < 64 && self->qp_->cq()->Poll() > 0; ++i) {
+        }
+      }
+      if (self->peer_closed_)
+        why = absl::UnavailableError("closed by the peer");
+      self->Fail(std::move(why));
+    });
+  }
+  // iWARP: the active side must speak first, so it says hello at once and
+  // the passive side holds its sends until anything arrived.
+  if (!qp_->caps().active_side_sends_first || active_) {
+    may_send_.Set();
+  }
+  if (qp_->caps().active_side_sends_first && active_) {
+    SpawnInternal(SendControl(kHello, 0, 0, {}));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::CheckUp(const char* what) const {
+  if (!status_.ok()) {
+    return absl::Status(status_.code(), absl::StrCat(what, " on ", name_, ": ",
+                                                     status_.message()));
+  }
+  if (closing_) {
+    return absl::UnavailableError(
+        absl::StrCat(what, " on ", name_, ": the connection is closing"));
+  }
+  if (!started_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " on ", name_, ": not connected yet"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::OpError(const char* op,
+                                     const absl::Status& s) const {
+  if (!status_.ok()) {
+    return absl::Status(status_.code(), absl::StrCat(op, " on ", name_, ": ",
+                                                     status_.message()));
+  }
+  return absl::Status(s.code(),
+                      absl::StrCat(op, " on ", name_, ": ", s.message()));
+}
+
+void ConnectionImpl::SpawnInternal(Task<void> t) {
+  tasks_.Add();
+  auto keep = [](std::shared_ptr<ConnectionImpl> self,
+                 Task<void> t) -> Task<void> {
+    co_await std::move(t);
+    self->tasks_.Done();
+  };
+  ctx_.reactor().Spawn(keep(shared_from_this(), std::move(t)));
+}
+
+void ConnectionImpl::Fail(absl::Status why) {
+  if (!status_.ok()) return;
+  COVERBS_CM_TRACE(name_, ": down: ", why.ToString());
+  status_ = std::move(why);
+  // Stop posting at once (siw never completes WRs posted after a peer
+  // TERMINATE) and flush what is posted.
+  if (!qp_->in_error())
+    qp_->SetError(std::string(status_.message())).IgnoreError();
+  if (link_ != nullptr) link_->Disconnect();
+  // Wake every waiter; they see status_.
+  may_send_.Set();
+  credits_.Release(1 << 24);
+  ready_count_.Release(1 << 24);
+  rts_window_.Release(1 << 24);
+  for (PendingRts* pr : pending_rts_) pr->cts.Set();
+  pending_rts_.clear();
+  // Rendezvous that will never finish.
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    if (!it->ready) {
+      delete it->large;
+      it = incoming_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ConnectionImpl::Abort(absl::Status why) {
+  Fail(std::move(why));
+  // The owner is gone, so nobody will Close: internal tasks still waiting
+  // for their work requests keep this connection (and its QP on the
+  // Context's CQ) alive until the flushes come, which on siw after a peer
+  // TERMINATE is never. Destroying the QP now ends the NIC's access and
+  // completes them, so the connection goes before its Context can.
+  if (qp_->outstanding() > 0) {
+    COVERBS_CM_TRACE(name_, ": destroyed with ", qp_->outstanding(),
+                     " WRs posted; abandoning the QP");
+    qp_->Abandon("the connection was destroyed");
+  }
+}
+
+Task<absl::Status> ConnectionImpl::Close() {
+  if (closing_) {
+    co_return absl::OkStatus();
+  }
+  absl::Duration t = options_.close_timeout;
+  COVERBS_CM_TRACE(name_, ": Close: status ", status_.ToString(),
+                   ", peer_closed ", peer_closed_, ", outstanding WRs ",
+                   qp_->outstanding());
+  if (status_.ok() && started_ && !peer_closed_) {
+    // Goodbye first, so the peer reports "closed by the peer", not a loss.
+    auto bye = [](ConnectionImpl* self) -> Task<absl::Status> {
+      co_await self->SendControl(kGoodbye, 0, 0, {});
+      co_return absl::OkStatus();
+    };
+    absl::Status s = co_await WithTimeout(bye(this), t);
+    (void)s;  // a peer that cannot take it is gone anyway
+  }
+  closing_ = true;
+  Fail(absl::UnavailableError("closed locally"));  // no-op if already down
+  absl::Status result;
+  if (link_ != nullptr) {
+    link_->Disconnect();
+    absl::Status s = co_await link_->WaitDown(t);
+    if (!s.ok() && s.code() != absl::StatusCode::kDeadlineExceeded) result = s;
+  }
+  // Every posted work request completes (flushed) before the buffers go;
+  // a device that lost some (siw after the peer's TERMINATE) gets its QP
+  // destroyed, which also ends the NIC's access, and the rest completed.
+  qp_->SetError("closed").IgnoreError();
+  absl::Time until = absl::Now() + t;
+  while (qp_->outstanding() > 0 && absl::Now() < until) {
+    co_await ctx_.reactor().Sleep(absl::Milliseconds(1));
+  }
+  if (qp_->outstanding() > 0) {
+    COVERBS_CM_TRACE(name_, ": Close: ", qp_->outstanding(),
+                     " WRs never flushed; abandoning the QP");
+    qp_->Abandon("close: the device did not flush every work request");
+  }
+  absl::Status s;
+  // Internal control sends hold the connection alive; they have all been
+  // woken or flushed by now.
+  s = co_await WithTimeout(
+      [](WaitGroup& wg) -> Task<absl::Status> {
+        co_return co_await wg.Wait();
+      }(tasks_),
+      t);
+  if (!s.ok() && result.ok()) result = s;
+  COVERBS_CM_TRACE(name_, ": Close done: ", result.ToString());
+  co_return result;
+}
+
+// Runs once the Connection and every internal task are gone.
+ConnectionImpl::~ConnectionImpl() {
+  if (status_.ok()) Fail(absl::UnavailableError("connection destroyed"));
+  qp_.reset();  // drains (bounded) before freeing what the NIC may touch
+  link_.reset();
+  for (Incoming& in : incoming_) delete in.large;
+  incoming_.clear();
+  ready_.clear();
+  if (ring_ != nullptr) {
+    ring_->conn = nullptr;
+    ring_->MaybeDelete();
+  }
+  if (pool_ != nullptr) {
+    // Held messages return their buffers to the pool, not to us.
+    pool_->conns.erase(id_);
+    auto it = pool_->by_qp.find(qp_num_);
+    if (it != pool_->by_qp.end() && it->second == this) pool_->by_qp.erase(it);
+    pool_->committed -=
+        outstanding_ + to_return_ + kCreditReserve + kCtsReserve;
+  }
+}
+
+}  // namespace coverbs::cm::internal

@@ -1,0 +1,254 @@
+// Internal: the state of one Connection. Its methods live in one file per
+// concept: connection_impl.cc (set-up, start, failure, teardown), send.cc
+// (the send turn, eager and control messages), credits.cc (the credit
+// window), receive.cc (completions of receives, delivery), rendezvous.cc
+// (large messages), one_sided.cc (RDMA READ / WRITE / atomics).
+#ifndef COVERBS_CM_CONNECTION_IMPL_H_
+#define COVERBS_CM_CONNECTION_IMPL_H_
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "cm/connection.h"
+#include "cm/context.h"
+#include "cm/context_shared.h"
+#include "cm/handshake.h"
+#include "cm/recv_buffers.h"
+#include "cm/srq_pool.h"
+#include "cm/wire.h"
+#include "core/sync.h"
+#include "core/task.h"
+#include "transport/connection_link.h"
+#include "transport/memory.h"
+#include "transport/queue_pair.h"
+
+namespace coverbs::cm::internal {
+
+static_assert(std::endian::native == std::endian::little,
+              "the cm wire format is little endian; add byte swaps");
+
+// A received message waiting to be handed out in arrival order; a
+// rendezvous entry is not ready until its DONE arrived.
+struct Incoming {
+  Message msg;
+  bool ready = false;
+  uint32_t cookie = 0;
+  LargeBuffer* large = nullptr;
+  bool dropped = false;  // aborted by the sender
+};
+
+// A large Send waiting for the receiver's CTS.
+struct PendingRts {
+  uint32_t cookie = 0;
+  Event cts;
+  bool granted = false;
+  bool refused = false;
+  uint64_t addr = 0;
+  uint32_t rkey = 0;
+};
+
+class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
+ public:
+  ConnectionImpl(Context& ctx, std::unique_ptr<transport::QueuePair> qp,
+                 const ConnectionOptions& o, bool active)
+      : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
+    id_ = SharedOf(ctx).next_connection_id++;
+    qp_num_ = qp_->qp_num();
+    name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
+  }
+  ~ConnectionImpl();
+
+  absl::Status Init();
+  absl::Status Start(PeerInfo peer,
+                     std::unique_ptr<transport::ConnectionLink> link);
+  // What this side can receive (Init must have run), for the handshake.
+  Handshake LocalHandshake() const;
+  // What was sent to the peer, for Connection::local_handshake().
+  void set_local_handshake(Handshake h) { local_ = std::move(h); }
+  const Handshake& local_handshake() const { return local_; }
+
+  Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
+  Task<absl::Status> SendRegistered(LocalBuffer b);
+  Task<absl::StatusOr<Message>> Recv();
+  Task<absl::Status> OneSided(bool read, LocalBuffer local, RemoteRegion r);
+  Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
+                                        uint64_t b);
+  Task<absl::Status> Close();
+  void Abort(absl::Status why);
+
+  absl::Status status() const { return status_; }
+  const PeerInfo& peer() const { return peer_; }
+  Context& context() const { return ctx_; }
+  transport::QueuePair& qp() const { return *qp_; }
+  const std::string& name() const { return name_; }
+  Connection::Stats stats() const {
+    Connection::Stats st = stats_;
+    st.recv_window = RecvWindow();
+    st.recv_window_peak = std::max(window_peak_, st.recv_window);
+    return st;
+  }
+  const ConnectionOptions& options() const { return options_; }
+
+  void OnRecv(RecvSlot* slot, const ibv_wc& wc);
+  void ReturnSlot(RecvSlot* slot);
+  // Posts `slot` again; on failure the connection is failed (false).
+  bool Repost(RecvSlot* slot);
+
+ private:
+  // Sends one small message (header + parts copied into a pooled buffer).
+  Task<absl::Status> SendSmall(MsgType type, uint32_t cookie,
+                               std::span<const std::span<const std::byte>> p,
+                               const LocalBuffer* zero_copy = nullptr);
+  Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
+                               const LocalBuffer* registered);
+  // Rendezvous, sender side (rendezvous.cc): the payload's SGEs (`regs`
+  // holds the registrations made for them), the RTS together with the
+  // credit its completion will need, the CTS, the WRITE(s) and DONE. Each
+  // step gives that reserved credit back (Unreserve) when it fails.
+  absl::Status PayloadSges(std::span<const std::span<const std::byte>> parts,
+                           const LocalBuffer* registered,
+                           std::vector<MemoryRegion>& regs,
+                           std::vector<LocalBuffer>& sges, uint64_t& total);
+  Task<absl::Status> PostRts(PendingRts& pr, uint64_t total);
+  Task<absl::Status> AwaitCts(PendingRts& pr, uint64_t total);
+  Task<absl::Status> WriteRendezvous(const PendingRts& pr,
+                                     std::span<const LocalBuffer> sges,
+                                     uint64_t total);
+  void Unreserve();
+  // Receive completions by kind (receive.cc, rendezvous.cc). Those that
+  // return bool return false when the message broke the protocol (the
+  // connection has failed).
+  void OnRecvFailed(const ibv_wc& wc);
+  // Validates the header and takes its piggybacked credits and acks, and
+  // the credit the message spent.
+  bool TakeHeader(RecvSlot* slot, const ibv_wc& wc, WireHeader& h);
+  // An internal message's receive is posted again at once.
+  void Consume(RecvSlot* slot);
+  void OnData(RecvSlot* slot, const WireHeader& h);
+  bool OnRts(const WireHeader& h);
+  bool OnCts(RecvSlot* slot, const WireHeader& h);
+  bool OnDone(const WireHeader& h);
+  void OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc);
+  // A buffer for an announced rendezvous, registered for the peer's WRITE;
+  // nullptr when memory or the registration is not to be had.
+  LargeBuffer* NewRendezvousBuffer(uint32_t length);
+  Task<void> SendCts(uint32_t cookie, uint16_t flags,
+                     std::vector<std::byte> payload);
+  Task<void> SendControl(MsgType type, uint32_t cookie, uint16_t flags,
+                         std::vector<std::byte> payload);
+  Task<void> SendCreditMessage();
+  // Takes, in FIFO order, the right to post the next message: the send
+  // turn, one credit and a send buffer. On success the caller holds the
+  // turn and calls send_turn_.Release() right before it posts (nothing
+  // suspends in between), which keeps messages in the order Sends began.
+  Task<absl::StatusOr<transport::BufferPool::Buffer>> AcquireSend();
+  Task<absl::Status> TakeCredit();
+  // Runs an internal task that keeps the connection alive until it ends.
+  void SpawnInternal(Task<void> t);
+  absl::Status CheckUp(const char* what) const;
+  // Writes a header for `payload`, then the payload, to `dst` (a send
+  // buffer); returns the bytes to post.
+  size_t WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
+                    uint16_t flags, std::span<const std::byte> payload);
+  // An internal send (control, CTS, credit) failed: the connection is lost,
+  // unless it is already down or closing.
+  void FailInternalSend(const absl::Status& s, const char* what);
+  void FillHeader(WireHeader& h, MsgType type, uint32_t length, uint32_t cookie,
+                  uint16_t flags);
+  void Fail(absl::Status why);
+  void Pump();
+  void MaybeSendCredits();
+  // Credits returned once this many are owed.
+  uint32_t ReturnThreshold() const;
+  // SRQ mode: credits the peer may hold now -- announced and unspent, owed,
+  // or behind a Message the application holds (its credit returns when the
+  // Message is freed).
+  uint32_t RecvWindow() const { return outstanding_ + to_return_ + held_; }
+  // A credit-spending message arrived (`low`: the peer set kFlagCreditLow on
+  // it); false (the connection failed) if the peer had no credit left.
+  bool Spent(bool low);
+  // A credit-spending receive is posted again: owe the peer its credit
+  // back (SRQ mode: or two, to grow a busy sender's window, or none, to
+  // shrink one that no longer runs out).
+  void Replenish();
+  absl::Status InitSrq();
+  absl::Status InitAtomics();  // the 8-byte result buffers for atomics
+  void Protocol(absl::string_view what);
+  absl::Status OpError(const char* op, const absl::Status& s) const;
+  Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
+  absl::StatusOr<transport::BufferPool*> SendPool();
+
+  Context& ctx_;
+  std::unique_ptr<transport::QueuePair> qp_;
+  std::unique_ptr<transport::ConnectionLink> link_;
+  ConnectionOptions options_;
+  bool active_;
+  uint64_t id_ = 0;
+  uint32_t qp_num_ = 0;
+  std::string name_;
+  PeerInfo peer_;
+  Handshake local_;
+  bool started_ = false;
+
+  // Receive side.
+  RecvRing* ring_ = nullptr;  // ring mode
+  uint32_t ring_slots_ = 0;
+  SrqPool* pool_ = nullptr;  // SRQ mode
+  size_t slot_size_ = 0;     // bytes per receive buffer
+  uint32_t initial_credits_ = 0;
+  uint32_t outstanding_ = 0;  // credits announced and not yet spent
+  bool peer_low_ = false;     // SRQ: the peer ran out since we last lent
+  uint32_t since_low_ = 0;    // SRQ: credit-spending messages since then
+  uint32_t window_peak_ = 0;
+  uint32_t held_ = 0;       // SRQ: our receives held by Messages (a credit each
+                            // once released)
+  uint32_t to_return_ = 0;  // reposted, not yet announced
+  uint32_t credit_msgs_seen_ = 0;  // kCredit messages received (acked)
+  std::deque<Incoming> incoming_;  // in arrival order
+  std::deque<Message> ready_;      // deliverable, in order
+  Semaphore ready_count_{0};
+  bool peer_closed_ = false;
+
+  // Send side.
+  Semaphore credits_{0};
+  Semaphore send_turn_{1};
+  // Our RTS messages still waiting for their CTS (see kCtsReserve).
+  Semaphore rts_window_{kCtsReserve};
+  // Keeps CTS messages in the order of the RTS they answer.
+  Semaphore cts_turn_{1};
+  uint32_t credit_msgs_sent_ = 0;
+  uint32_t credit_msgs_acked_ = 0;
+  bool credit_msg_running_ = false;
+  Event may_send_{false};  // iWARP passive side: set once the peer spoke
+  std::deque<PendingRts*> pending_rts_;
+  uint32_t next_cookie_ = 1;
+  std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up
+  uint64_t peer_max_ = 0;
+  bool use_imm_ = false;
+
+  // Teardown.
+  absl::Status status_;  // non-OK once down
+  bool closing_ = false;
+  WaitGroup tasks_;  // internal control sends in flight
+
+  // 8-byte result buffers for atomics.
+  std::unique_ptr<uint64_t[]> atomic_mem_;
+  MemoryRegion atomic_mr_;
+  Semaphore atomic_slots_{0};
+  std::vector<uint32_t> atomic_free_;
+
+  Connection::Stats stats_;
+};
+
+}  // namespace coverbs::cm::internal
+
+#endif  // COVERBS_CM_CONNECTION_IMPL_H_

@@ -1,0 +1,78 @@
+#include "cm/connection_setup.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "cm/connection_impl.h"
+#include "cm/handshake.h"
+#include "cm/srq_pool.h"
+#include "cm/wire.h"
+
+namespace coverbs::cm::internal {
+
+absl::StatusOr<transport::QpOptions> QpOptionsFor(Context& ctx,
+                                                  const ConnectionOptions& o) {
+  transport::QpOptions q = o.qp;
+  if (o.use_srq) {
+    auto pool = SrqPool::For(ctx);
+    if (!pool.ok()) return pool.status();
+    q.srq = (*pool)->srq->provider();
+  }
+  const transport::DeviceCaps& caps = ctx.device().caps();
+  // The send queue only bounds how much is posted at once (the QueuePair
+  // queues the rest); credits bound what the peer must absorb.
+  uint32_t send = o.send_depth + kCreditReserve + kCtsReserve + 4;
+  uint32_t recv = o.recv_credits + kCreditReserve + kCtsReserve;
+  if (caps.max_qp_wr != 0) {
+    send = std::min(send, caps.max_qp_wr);
+    recv = std::min(recv, caps.max_qp_wr);
+  }
+  q.max_send_wr = send;
+  q.max_recv_wr = recv;
+  q.max_send_sge = std::max<uint32_t>(q.max_send_sge, 2);
+  if (caps.max_sge != 0)
+    q.max_send_sge = std::min(q.max_send_sge, caps.max_sge);
+  q.max_recv_sge = 1;
+  return q;
+}
+
+absl::StatusOr<std::unique_ptr<ConnectionSetup>> ConnectionSetup::Create(
+    Context& ctx, const ConnectionOptions& options, bool active_side) {
+  auto qos = QpOptionsFor(ctx, options);
+  if (!qos.ok()) return qos.status();
+  std::unique_ptr<ConnectionSetup> s(
+      new ConnectionSetup(ctx, options, active_side));
+  s->qp_options_ = *qos;
+  return s;
+}
+
+ConnectionSetup::~ConnectionSetup() = default;
+
+absl::StatusOr<std::string> ConnectionSetup::Adopt(
+    std::unique_ptr<transport::QueuePair> qp) {
+  conn_.reset();
+  // Posts the receive ring (or promises SRQ receives) before the handshake
+  // announces the credits.
+  auto impl =
+      std::make_shared<ConnectionImpl>(ctx_, std::move(qp), options_, active_);
+  absl::Status s = impl->Init();
+  if (!s.ok()) return s;
+  Handshake h = impl->LocalHandshake();
+  h.app_data = app_data_;
+  impl->set_local_handshake(h);
+  conn_.reset(new Connection(std::move(impl)));
+  if (!raw_.empty()) return raw_;
+  return EncodeHandshake(h);
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> ConnectionSetup::Start(
+    PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link) {
+  if (conn_ == nullptr) {
+    return absl::InternalError("connection setup: no QP was adopted");
+  }
+  absl::Status s = conn_->impl_->Start(std::move(peer), std::move(link));
+  if (!s.ok()) return s;
+  return std::move(conn_);
+}
+
+}  // namespace coverbs::cm::internal

@@ -1,0 +1,62 @@
+// Internal: what the connect and the accept path do with the QP a
+// transport::Connector creates -- wrap it in an unstarted Connection (its
+// receives posted, so the credits in the handshake are real), hand back the
+// handshake as private data, and start the Connection once established.
+#ifndef COVERBS_CM_CONNECTION_SETUP_H_
+#define COVERBS_CM_CONNECTION_SETUP_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cm/connection.h"
+#include "cm/context.h"
+#include "transport/connector.h"
+
+namespace coverbs::cm::internal {
+
+// The QP options a connection with `options` needs (depths, SRQ). Creates
+// the Context's SRQ on first use.
+absl::StatusOr<transport::QpOptions> QpOptionsFor(
+    Context& ctx, const ConnectionOptions& options);
+
+class ConnectionSetup final : public transport::QpSetup {
+ public:
+  ~ConnectionSetup() override;
+  // Fails when `options` cannot be met on `ctx` (no SRQ for use_srq, ...).
+  static absl::StatusOr<std::unique_ptr<ConnectionSetup>> Create(
+      Context& ctx, const ConnectionOptions& options, bool active_side);
+
+  // The active side's application data, shown to the listener.
+  void set_app_data(std::string app_data) { app_data_ = std::move(app_data); }
+  // Tests: private data sent instead of the encoded handshake.
+  void set_raw_private_data(std::string raw) { raw_ = std::move(raw); }
+
+  transport::ProtectionDomain& pd() override { return ctx_.pd(); }
+  transport::CompletionQueue& cq() override { return ctx_.cq(); }
+  const transport::QpOptions& qp_options() override { return qp_options_; }
+  absl::StatusOr<std::string> Adopt(
+      std::unique_ptr<transport::QueuePair> qp) override;
+  void Discard() override { conn_.reset(); }
+
+  // The connection is established: validates the peer's handshake against
+  // ours and starts messaging.
+  absl::StatusOr<std::unique_ptr<Connection>> Start(
+      PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link);
+
+ private:
+  ConnectionSetup(Context& ctx, const ConnectionOptions& options, bool active)
+      : ctx_(ctx), options_(options), active_(active) {}
+
+  Context& ctx_;
+  ConnectionOptions options_;
+  bool active_;
+  transport::QpOptions qp_options_;
+  std::string app_data_;
+  std::string raw_;
+  std::unique_ptr<Connection> conn_;
+};
+
+}  // namespace coverbs::cm::internal
+
+#endif  // COVERBS_CM_CONNECTION_SETUP_H_

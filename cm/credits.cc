@@ -1,0 +1,134 @@
+// The credit window: receives reposted become credits owed to the peer,
+// returned on headers or by credit messages; with an SRQ, lent and taken
+// back as the peer's demand changes.
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cm/connection_impl.h"
+
+namespace coverbs::cm::internal {
+
+Task<void> ConnectionImpl::SendCreditMessage() {
+  // Credit messages use the kCreditReserve receives the peer posted beyond
+  // its credits, so returning credits never waits for credits.
+  absl::Status s;
+  while (to_return_ > 0 && status_.ok() && !closing_ &&
+         credit_msgs_sent_ - credit_msgs_acked_ < kCreditReserve) {
+    if (!may_send_.is_set()) break;
+    auto buf = co_await GetSendBuffer();
+    if (!buf.ok()) {
+      s = buf.status();
+      break;
+    }
+    if (to_return_ == 0 || !status_.ok()) break;
+    size_t len = WriteFrame(buf->data(), kCredit, 0, 0, {});
+    ++credit_msgs_sent_;
+    ++stats_.credit_messages_sent;
+    transport::SendOptions so;
+    so.inline_data = len <= qp_->max_inline_data();
+    auto wc = co_await qp_->Send(buf->Local(len), so);
+    if (!wc.ok()) {
+      s = wc.status();
+      break;
+    }
+    // Keep going only if a lot accumulated meanwhile.
+    if (to_return_ < ReturnThreshold()) break;
+  }
+  credit_msg_running_ = false;
+  FailInternalSend(s, "a credit message");
+}
+
+void ConnectionImpl::MaybeSendCredits() {
+  if (credit_msg_running_ || !status_.ok() || closing_ || !started_) return;
+  if (to_return_ < ReturnThreshold()) return;
+  if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
+  credit_msg_running_ = true;
+  SpawnInternal(SendCreditMessage());
+}
+
+uint32_t ConnectionImpl::ReturnThreshold() const {
+  // SRQ: a quarter of the current window, which may be as small as
+  // srq_initial_credits (a fixed quarter of recv_credits could exceed it
+  // and never be reached).
+  uint32_t window = pool_ != nullptr ? RecvWindow() : options_.recv_credits;
+  return std::max<uint32_t>(1, window / 4);
+}
+
+bool ConnectionImpl::Spent(bool low) {
+  if (outstanding_ == 0) {
+    Protocol("a message arrived although the peer had no credit left");
+    return false;
+  }
+  --outstanding_;
+  if (pool_ != nullptr) {
+    --pool_->committed;
+    if (low) {
+      peer_low_ = true;
+      since_low_ = 0;
+    } else {
+      ++since_low_;
+    }
+  }
+  return true;
+}
+
+void ConnectionImpl::Replenish() {
+  if (pool_ == nullptr) {
+    ++to_return_;
+    return;
+  }
+  // Additive growth while the sender keeps running out; once a whole
+  // window of messages came without it running out, shrink by one per
+  // message until it does: the window settles where the sender just stops
+  // waiting. Giving back the one credit always fits (its receive was just
+  // posted again).
+  uint32_t window = RecvWindow();
+  uint32_t give = 1;
+  bool low = std::exchange(peer_low_, false);
+  if (low && window + 2 <= options_.recv_credits && pool_->CanLend(2, ctx_)) {
+    // CanLend promised both.
+    to_return_ += 2;
+    window_peak_ = std::max(window_peak_, window + 2);
+    return;
+  }
+  if (!low && window + 1 > initial_credits_ && since_low_ > window) {
+    give = 0;  // and again on the next message, until the sender runs low
+  }
+  to_return_ += give;
+  pool_->committed += give;
+}
+
+bool ConnectionImpl::Repost(RecvSlot* slot) {
+  absl::Status s;
+  if (pool_ != nullptr) {
+    if (pool_->Post(slot)) return true;
+    s = absl::UnavailableError("the shared receive queue refused it");
+  } else {
+    LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
+                  ring_->mr.lkey()};
+    s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
+  }
+  if (!s.ok()) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: reposting a receive: ", s.message())));
+    return false;
+  }
+  return true;
+}
+
+void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
+  if (pool_ != nullptr) --held_;
+  if (!status_.ok() || qp_->in_error()) {
+    // The ring is finished; an SRQ buffer serves the other connections.
+    if (pool_ != nullptr) pool_->Post(slot);
+    return;
+  }
+  if (!Repost(slot)) return;
+  Replenish();
+  MaybeSendCredits();
+}
+
+}  // namespace coverbs::cm::internal

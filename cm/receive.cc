@@ -1,0 +1,185 @@
+// Receiving: completions of receives (header validation, credits and acks,
+// dispatch by message type) and delivery in arrival order.
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cm/connection_impl.h"
+#include "cm/context_shared.h"
+#include "transport/errors.h"
+
+namespace coverbs::cm::internal {
+
+void ConnectionImpl::Protocol(absl::string_view what) {
+  Fail(absl::DataLossError(
+      absl::StrCat("protocol violation by the peer: ", what)));
+}
+
+void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
+  if (wc.status != IBV_WC_SUCCESS) {
+    OnRecvFailed(wc);
+    return;
+  }
+  if (!status_.ok()) return;
+  if (!may_send_.is_set()) may_send_.Set();
+  // WRITE_WITH_IMM: the end of a rendezvous; no header travelled.
+  if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+    OnRendezvousImm(slot, wc);
+    return;
+  }
+  WireHeader h;
+  if (!TakeHeader(slot, wc, h)) return;
+  bool ok = true;
+  switch (h.type) {
+    case kData:
+      OnData(slot, h);
+      break;
+    case kCredit:
+      // Not a credit-bearing receive: repost without counting it.
+      ++credit_msgs_seen_;
+      Repost(slot);
+      break;
+    case kHello:
+      Consume(slot);
+      break;
+    case kGoodbye:
+      Consume(slot);
+      peer_closed_ = true;
+      Pump();
+      break;
+    case kRts:
+      Consume(slot);
+      ok = OnRts(h);
+      break;
+    case kCts:
+      ok = OnCts(slot, h);
+      break;
+    case kDone:
+      Consume(slot);
+      ok = OnDone(h);
+      break;
+    default:
+      Protocol(absl::StrFormat("unknown message type %d", h.type));
+      ok = false;
+  }
+  if (ok) MaybeSendCredits();
+}
+
+void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
+  if (!status_.ok()) return;
+  if (peer_closed_ || closing_) {
+    Fail(absl::UnavailableError(peer_closed_ ? "closed by the peer"
+                                             : "closed locally"));
+    return;
+  }
+  Fail(absl::UnavailableError(
+      absl::StrCat("connection lost: receive completed with ",
+                   transport::WcStatusName(wc.status))));
+}
+
+bool ConnectionImpl::TakeHeader(RecvSlot* slot, const ibv_wc& wc,
+                                WireHeader& h) {
+  if (wc.byte_len < kHeaderSize) {
+    Protocol(absl::StrFormat("%d-byte message is shorter than the header",
+                             wc.byte_len));
+    return false;
+  }
+  std::memcpy(&h, slot->data, kHeaderSize);
+  absl::Status v = ValidateHeader(h, wc.byte_len, slot_size_);
+  if (!v.ok()) {
+    Protocol(v.message());
+    return false;
+  }
+  // Credits and credit-message acks piggyback on every header.
+  if (h.credit_acks - credit_msgs_acked_ >
+      credit_msgs_sent_ - credit_msgs_acked_) {
+    Protocol("acknowledged credit messages never sent");
+    return false;
+  }
+  credit_msgs_acked_ = h.credit_acks;
+  if (h.credits > 0) {
+    if (credits_.available() + h.credits > peer_.handshake.max_credits) {
+      Protocol(absl::StrFormat("returned %d credits beyond the %d announced",
+                               h.credits, peer_.handshake.max_credits));
+      return false;
+    }
+    credits_.Release(h.credits);
+  }
+  if (h.type == kCredit || h.type == kCts) return true;
+  return Spent((h.flags & kFlagCreditLow) != 0);
+}
+
+void ConnectionImpl::Consume(RecvSlot* slot) {
+  // Internal messages give their slot back at once.
+  if (Repost(slot)) Replenish();
+}
+
+void ConnectionImpl::OnData(RecvSlot* slot, const WireHeader& h) {
+  ++stats_.messages_received;
+  Incoming in;
+  in.ready = true;
+  in.msg.data_ = slot->data + kHeaderSize;
+  in.msg.size_ = h.length;
+  in.msg.owner_ = slot;
+  if (pool_ != nullptr) {
+    slot->held = true;
+    slot->conn_id = id_;
+    ++pool_->held;
+    ++held_;
+  } else {
+    ++ring_->held;
+  }
+  incoming_.push_back(std::move(in));
+  Pump();
+}
+
+void ConnectionImpl::Pump() {
+  while (!incoming_.empty() && incoming_.front().ready) {
+    Incoming in = std::move(incoming_.front());
+    incoming_.pop_front();
+    if (in.large != nullptr) {
+      // The transfer is over: the rkey dies now, the memory stays.
+      in.large->mr.Deregister();
+      in.msg.data_ = in.large->mem;
+      in.msg.size_ = in.large->size;
+      in.msg.owner_ = in.large;
+    }
+    ready_.push_back(std::move(in.msg));
+    ready_count_.Release(1);
+  }
+  if (peer_closed_ && incoming_.empty()) {
+    ready_count_.Release(1);  // wakes a Recv to report the close
+  }
+}
+
+Task<absl::StatusOr<Message>> ConnectionImpl::Recv() {
+  for (;;) {
+    if (!ready_.empty() && ready_count_.TryAcquire(1)) {
+      Message m = std::move(ready_.front());
+      ready_.pop_front();
+      co_return m;
+    }
+    if (!status_.ok()) co_return CheckUp("recv");
+    if (peer_closed_ && incoming_.empty() && ready_.empty()) {
+      co_return absl::UnavailableError(
+          absl::StrCat("recv on ", name_, ": closed by the peer"));
+    }
+    if (!started_) co_return CheckUp("recv");
+    absl::Status s = co_await ready_count_.Acquire(1);
+    if (!s.ok()) co_return s;
+    if (!ready_.empty()) {
+      Message m = std::move(ready_.front());
+      ready_.pop_front();
+      co_return m;
+    }
+    // A wake-up for a close or failure: loop to report it.
+    if (status_.ok() && !peer_closed_) continue;
+    if (!status_.ok()) co_return CheckUp("recv");
+  }
+}
+
+}  // namespace coverbs::cm::internal

@@ -1,0 +1,236 @@
+// Sending: the FIFO send turn (turn, credit, buffer, post), eager data,
+// control and CTS messages.
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cm/connection_impl.h"
+#include "cm/context_shared.h"
+
+namespace coverbs::cm::internal {
+
+void ConnectionImpl::FillHeader(WireHeader& h, MsgType type, uint32_t length,
+                                uint32_t cookie, uint16_t flags) {
+  h.type = type;
+  h.flags = static_cast<uint8_t>(flags);
+  uint32_t give = std::min<uint32_t>(to_return_, 0xffff);
+  h.credits = static_cast<uint16_t>(give);
+  to_return_ -= give;
+  outstanding_ += give;
+  // Spending our last credit: tell a receiver that lends (SRQ) that we
+  // would use a larger window.
+  bool spends = type != kCredit && type != kCts;
+  if (spends && credits_.available() == 0) h.flags |= kFlagCreditLow;
+  h.length = length;
+  h.credit_acks = credit_msgs_seen_;
+  h.cookie = cookie;
+}
+
+size_t ConnectionImpl::WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
+                                  uint16_t flags,
+                                  std::span<const std::byte> payload) {
+  WireHeader h;
+  FillHeader(h, type, static_cast<uint32_t>(payload.size()), cookie, flags);
+  std::memcpy(dst, &h, kHeaderSize);
+  if (!payload.empty()) {
+    std::memcpy(dst + kHeaderSize, payload.data(), payload.size());
+  }
+  return kHeaderSize + payload.size();
+}
+
+void ConnectionImpl::FailInternalSend(const absl::Status& s, const char* what) {
+  if (!s.ok() && status_.ok() && !closing_) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: ", what, " failed: ", s.message())));
+  }
+}
+
+Task<absl::Status> ConnectionImpl::TakeCredit() {
+  if (!may_send_.is_set()) {
+    absl::Status s = co_await may_send_.Wait();
+    if (!s.ok()) co_return s;
+  }
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (!credits_.TryAcquire(1)) {
+    ++stats_.credit_waits;
+    s = co_await credits_.Acquire(1);
+    if (!s.ok()) co_return s;
+  }
+  // Fail() releases every waiter with permits that are not credits.
+  s = CheckUp("send");
+  co_return s;
+}
+
+Task<absl::StatusOr<transport::BufferPool::Buffer>>
+ConnectionImpl::AcquireSend() {
+  absl::Status s = co_await send_turn_.Acquire(1);
+  if (!s.ok()) co_return s;
+  s = co_await TakeCredit();
+  if (!s.ok()) {
+    send_turn_.Release(1);
+    co_return s;
+  }
+  // Buffers are only ever held by posted sends, which complete: waiting
+  // for one here cannot deadlock with credits.
+  auto buf = co_await GetSendBuffer();
+  if (!buf.ok()) {
+    if (status_.ok()) credits_.Release(1);
+    send_turn_.Release(1);
+    co_return OpError("send", buf.status());
+  }
+  co_return std::move(*buf);
+}
+
+absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
+  ContextShared& sh = SharedOf(ctx_);
+  size_t size = kHeaderSize + options_.rendezvous_threshold;
+  auto it = sh.send_pools.find(size);
+  if (it != sh.send_pools.end()) return it->second.get();
+  transport::BufferPool::Options po;
+  po.buffer_size = (size + 63) & ~size_t{63};
+  po.count = 256;
+  po.access = IBV_ACCESS_LOCAL_WRITE;
+  auto pool = transport::BufferPool::Create(ctx_.pd(), po);
+  if (!pool.ok()) return pool.status();
+  transport::BufferPool* p = pool->get();
+  sh.send_pools.emplace(size, std::move(*pool));
+  return p;
+}
+
+Task<absl::StatusOr<transport::BufferPool::Buffer>>
+ConnectionImpl::GetSendBuffer() {
+  auto pool = SendPool();
+  if (!pool.ok()) co_return pool.status();
+  if (auto b = (*pool)->TryGet()) co_return std::move(*b);
+  co_return co_await (*pool)->Get();
+}
+
+Task<absl::Status> ConnectionImpl::SendSmall(
+    MsgType type, uint32_t cookie,
+    std::span<const std::span<const std::byte>> parts,
+    const LocalBuffer* zero_copy) {
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  if (zero_copy != nullptr) total += zero_copy->length;
+  auto buf = co_await AcquireSend();
+  if (!buf.ok()) co_return buf.status();
+  WireHeader h;
+  FillHeader(h, type, static_cast<uint32_t>(total), cookie, 0);
+  std::byte* d = buf->data();
+  std::memcpy(d, &h, kHeaderSize);
+  size_t off = kHeaderSize;
+  for (auto p : parts) {
+    if (!p.empty()) std::memcpy(d + off, p.data(), p.size());
+    off += p.size();
+  }
+  // A payload that fits inline goes inline even when the caller registered
+  // it: one SGE copied at post time beats a second SGE the NIC must fetch.
+  if (zero_copy != nullptr &&
+      off + zero_copy->length <= qp_->max_inline_data()) {
+    if (zero_copy->length > 0)
+      std::memcpy(d + off, zero_copy->addr, zero_copy->length);
+    off += zero_copy->length;
+    zero_copy = nullptr;
+  }
+  LocalBuffer sg[2] = {buf->Local(off), {}};
+  size_t n = 1;
+  if (zero_copy != nullptr) sg[n++] = *zero_copy;
+  transport::SendOptions so;
+  so.inline_data = zero_copy == nullptr && off <= qp_->max_inline_data();
+  send_turn_.Release(1);
+  auto wc = co_await qp_->Send(std::span<const LocalBuffer>(sg, n), so);
+  if (!wc.ok()) co_return OpError("send", wc.status());
+  if (type == kData) ++stats_.messages_sent;
+  co_return absl::OkStatus();
+}
+
+Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
+                                       uint16_t flags,
+                                       std::vector<std::byte> payload) {
+  // Control messages travel like data (a credit each) but are consumed by
+  // the peer's connection, never by its application, so they always return.
+  absl::Status s;
+  do {
+    auto buf = co_await AcquireSend();
+    if (!buf.ok()) {
+      s = buf.status();
+      break;
+    }
+    size_t len = WriteFrame(buf->data(), type, cookie, flags, payload);
+    transport::SendOptions so;
+    so.inline_data = len <= qp_->max_inline_data();
+    send_turn_.Release(1);
+    auto wc = co_await qp_->Send(buf->Local(len), so);
+    if (!wc.ok()) s = wc.status();
+  } while (false);
+  FailInternalSend(s, "sending a control message");
+}
+
+Task<void> ConnectionImpl::SendCts(uint32_t cookie, uint16_t flags,
+                                   std::vector<std::byte> payload) {
+  // No credit and no send turn: the CTS lands in one of the kCtsReserve
+  // receives the peer posted for the answers to its RTS messages.
+  absl::Status s;
+  do {
+    s = co_await cts_turn_.Acquire(1);
+    if (!s.ok()) break;
+    s = CheckUp("send");
+    if (!s.ok()) {
+      cts_turn_.Release(1);
+      break;
+    }
+    auto buf = co_await GetSendBuffer();
+    if (!buf.ok()) {
+      s = buf.status();
+      cts_turn_.Release(1);
+      break;
+    }
+    size_t len = WriteFrame(buf->data(), kCts, cookie, flags, payload);
+    transport::SendOptions so;
+    so.inline_data = len <= qp_->max_inline_data();
+    cts_turn_.Release(1);  // posted in order by the co_await below
+    auto wc = co_await qp_->Send(buf->Local(len), so);
+    if (!wc.ok()) s = wc.status();
+  } while (false);
+  FailInternalSend(s, "sending a rendezvous answer");
+}
+
+Task<absl::Status> ConnectionImpl::SendParts(
+    std::span<const std::span<const std::byte>> parts) {
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (total > peer_max_) {
+    co_return absl::InvalidArgumentError(absl::StrFormat(
+        "send on %s: message of %d bytes exceeds the maximum %d (local %d, "
+        "peer %d)",
+        name_, total, peer_max_, options_.max_message_size,
+        peer_.handshake.max_message_size));
+  }
+  if (total <= options_.rendezvous_threshold) {
+    co_return co_await SendSmall(kData, 0, parts);
+  }
+  co_return co_await SendLarge(parts, nullptr);
+}
+
+Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
+  absl::Status s = CheckUp("send");
+  if (!s.ok()) co_return s;
+  if (b.length > peer_max_) {
+    co_return absl::InvalidArgumentError(absl::StrFormat(
+        "send on %s: message of %d bytes exceeds the maximum %d", name_,
+        b.length, peer_max_));
+  }
+  if (b.length <= options_.rendezvous_threshold) {
+    co_return co_await SendSmall(kData, 0, {}, &b);
+  }
+  co_return co_await SendLarge({}, &b);
+}
+
+}  // namespace coverbs::cm::internal
