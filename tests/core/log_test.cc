@@ -1,11 +1,11 @@
 #include "core/log.h"
 
 #include <atomic>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
@@ -13,7 +13,9 @@ namespace coverbs {
 namespace {
 
 struct Captured {
-  absl::Mutex mu;
+  // std::mutex, not absl::Mutex: Debian's prebuilt absl is not built with
+  // TSan, so TSan cannot see absl::Mutex's happens-before edges.
+  std::mutex mu;
   std::vector<std::string> lines;
 };
 
@@ -22,7 +24,7 @@ class LogTest : public ::testing::Test {
   void SetUp() override {
     saved_ = MinLogLevel();
     SetLogSink([this](const LogRecord& r) {
-      absl::MutexLock lock(&cap_.mu);
+      std::lock_guard<std::mutex> lock(cap_.mu);
       cap_.lines.push_back(std::string(r.component) + "|" +
                            LogLevelName(r.level) + "|" +
                            std::string(r.message));
@@ -33,7 +35,7 @@ class LogTest : public ::testing::Test {
     SetMinLogLevel(saved_);
   }
   std::vector<std::string> Lines() {
-    absl::MutexLock lock(&cap_.mu);
+    std::lock_guard<std::mutex> lock(cap_.mu);
     return cap_.lines;
   }
   Captured cap_;
