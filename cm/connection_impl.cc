@@ -185,14 +185,14 @@ absl::Status ConnectionImpl::Start(
       self->Fail(std::move(why));
     });
   }
-  // iWARP: the active side must speak first, so it says hello at once and
-  // the passive side holds its sends until anything arrived.
+  // The active side says hello at once (protocol 4): the passive side's
+  // accept waits for it, so a peer that connects and then says nothing is
+  // dropped. iWARP also needs it: the active side must speak first, and
+  // there the passive side holds its sends until anything arrived.
   if (!qp_->caps().active_side_sends_first || active_) {
     may_send_.Set();
   }
-  if (qp_->caps().active_side_sends_first && active_) {
-    SpawnInternal(SendControl(kHello, 0, 0, {}));
-  }
+  if (active_) SpawnInternal(SendControl(kHello, 0, 0, {}));
   return absl::OkStatus();
 }
 
@@ -243,6 +243,7 @@ void ConnectionImpl::Fail(absl::Status why) {
   if (link_ != nullptr) link_->Disconnect();
   // Wake every waiter; they see status_.
   may_send_.Set();
+  peer_spoke_.Set();
   credits_.Release(1 << 24);
   ready_count_.Release(1 << 24);
   rts_window_.Release(1 << 24);
@@ -271,6 +272,31 @@ void ConnectionImpl::Abort(absl::Status why) {
                      " WRs posted; abandoning the QP");
     qp_->Abandon("the connection was destroyed");
   }
+}
+
+Task<absl::Status> ConnectionImpl::WaitPeerSpoke(absl::Time deadline) {
+  if (!peer_spoke_.is_set()) {
+    absl::Duration left = deadline - absl::Now();
+    auto wait = [](Event& e) -> Task<absl::Status> {
+      auto w = e.Wait();
+      co_return co_await w;
+    };
+    absl::Status s = absl::DeadlineExceededError("no time left");
+    if (left > absl::ZeroDuration()) {
+      auto waiting = WithTimeout(wait(peer_spoke_), left);
+      s = co_await std::move(waiting);
+    }
+    if (!s.ok() && status_.ok()) {
+      if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+        co_return absl::DeadlineExceededError(absl::StrCat(
+            name_,
+            ": the peer sent nothing after the connection was established "
+            "(accept deadline)"));
+      }
+      co_return absl::Status(s.code(), absl::StrCat(name_, ": ", s.message()));
+    }
+  }
+  co_return status_;
 }
 
 Task<absl::Status> ConnectionImpl::Close() {

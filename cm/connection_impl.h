@@ -84,6 +84,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                                         uint64_t b);
   Task<absl::Status> Close();
   void Abort(absl::Status why);
+  // Until the peer's first message arrived (its kHello), at most until
+  // `deadline`: DeadlineExceeded if it said nothing, the connection's error
+  // if it failed meanwhile.
+  Task<absl::Status> WaitPeerSpoke(absl::Time deadline);
 
   absl::Status status() const { return status_; }
   const PeerInfo& peer() const { return peer_; }
@@ -228,7 +232,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t credit_msgs_sent_ = 0;
   uint32_t credit_msgs_acked_ = 0;
   bool credit_msg_running_ = false;
-  Event may_send_{false};  // iWARP passive side: set once the peer spoke
+  Event may_send_{false};
+  // Set by the first message from the peer (or by a failure): the passive
+  // side's accept waits for it (WaitPeerSpoke).
+  Event peer_spoke_{false};  // iWARP passive side: set once the peer spoke
   std::deque<PendingRts*> pending_rts_;
   uint32_t next_cookie_ = 1;
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up

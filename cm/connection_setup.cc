@@ -75,4 +75,9 @@ absl::StatusOr<std::unique_ptr<Connection>> ConnectionSetup::Start(
   return std::move(conn_);
 }
 
+Task<absl::Status> ConnectionSetup::WaitPeerSpoke(Connection& conn,
+                                                  absl::Time deadline) {
+  return conn.impl_->WaitPeerSpoke(deadline);
+}
+
 }  // namespace coverbs::cm::internal

@@ -43,6 +43,10 @@ class ConnectionSetup final : public transport::QpSetup {
   // ours and starts messaging.
   absl::StatusOr<std::unique_ptr<Connection>> Start(
       PeerInfo peer, std::unique_ptr<transport::ConnectionLink> link);
+  // The passive side: until `conn`'s peer sent its first message (see
+  // ConnectionImpl::WaitPeerSpoke).
+  static Task<absl::Status> WaitPeerSpoke(Connection& conn,
+                                          absl::Time deadline);
 
  private:
   ConnectionSetup(Context& ctx, const ConnectionOptions& options, bool active)

@@ -35,7 +35,10 @@ inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 // 2: CTS travels in reserved receives, without credits (cm/wire.h).
 // 3: max_credits (credits may grow past the initial grant) and the
 //    kFlagCreditLow header flag, for receivers with a shared receive queue.
-inline constexpr uint16_t kProtocolVersion = 3;
+// 4: the active side always sends kHello first (every provider), so the
+//    passive side's accept completes only once the peer spoke: a peer that
+//    connects and then stays silent is dropped at the accept deadline.
+inline constexpr uint16_t kProtocolVersion = 4;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 

@@ -2,15 +2,27 @@
 // (rdma_cm or the soft provider's TCP setup); each request's handshake is
 // decoded here, then accepted (ConnectionSetup puts the Connection on the
 // QP the connector creates) or rejected with a reason.
+//
+// Nothing a peer does may hold up another peer. A background Pump task
+// takes every request the endpoint yields and starts one ReadHandshake task
+// for it, bounded by accept_timeout; decoded requests wait in a queue for
+// Next(). Pump never ends on an error accepting a socket (EMFILE, ...): it
+// backs off and tries again, until Close().
 #include "cm/listener.h"
 
+#include <algorithm>
+#include <deque>
+#include <list>
 #include <memory>
+#include <stop_token>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cm/connection_setup.h"
 #include "cm/context_shared.h"
+#include "core/log.h"
+#include "core/sync.h"
 #include "transport/connector.h"
 
 namespace coverbs::cm {
@@ -25,49 +37,176 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
+constexpr absl::Duration kMinBackoff = absl::Milliseconds(10);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+
 }  // namespace
 
 namespace internal {
 
 struct ConnectRequestState {
   Context* listener_ctx = nullptr;
-  Listener::Stats* stats = nullptr;
-  std::weak_ptr<bool> listener_alive;
+  std::weak_ptr<ListenerState> listener;
   ListenerOptions options;
   PeerInfo peer;
   bool decided = false;
   std::unique_ptr<transport::IncomingRequest> request;
 };
 
+// A handshake being read: its task's stop source, so that Close() and
+// eviction can end it.
+struct PendingHandshake {
+  std::stop_source stop;
+  std::string peer;
+  bool evicted = false;
+};
+
 struct ListenerState {
   Context* ctx = nullptr;
   std::string address;
   uint16_t port = 0;
+  std::string name;  // "listener ADDRESS:PORT"
   ListenerOptions options;
   bool closed = false;
   Listener::Stats stats;
-  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
   std::shared_ptr<transport::PassiveEndpoint> endpoint;
+  std::stop_source pump_stop;
+  // Oldest first.
+  std::list<std::shared_ptr<PendingHandshake>> pending;
+  std::deque<std::unique_ptr<ConnectRequestState>> ready;
+  Event ready_event{false};  // set while `ready` is non-empty or closed
+  LogLimiter reject_log{absl::Seconds(1)};
+  LogLimiter error_log{absl::Seconds(1)};
+
+  void Refuse(std::string_view peer, std::string_view reason) {
+    ++stats.rejected;
+    stats.last_reject_reason = std::string(reason);
+    uint64_t more = 0;
+    if (reject_log.Allow(&more)) {
+      COVERBS_LOG(kWarning, "cm", "%s: refused %s: %s%s", name, peer, reason,
+                  more > 0 ? absl::StrCat(" (and ", more, " more refused)")
+                           : std::string());
+    }
+  }
 };
 
 }  // namespace internal
 
 using internal::ConnectRequestState;
 using internal::ListenerState;
+using internal::PendingHandshake;
 
 namespace {
 
+std::string PeerName(const ConnectRequestState& st) {
+  return Endpoint(st.peer.address, st.peer.port);
+}
+
 void CountReject(ConnectRequestState& st, std::string_view reason) {
-  if (!st.listener_alive.expired() && st.stats != nullptr) {
-    ++st.stats->rejected;
-    st.stats->last_reject_reason = std::string(reason);
-  }
+  if (auto l = st.listener.lock()) l->Refuse(PeerName(st), reason);
 }
 
 absl::Status RejectState(ConnectRequestState& st, std::string_view reason) {
   st.decided = true;
   CountReject(st, reason);
   return st.request->Reject(reason);
+}
+
+// Reads and decodes one request's handshake, then queues it for Next().
+Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
+                         std::shared_ptr<PendingHandshake> pending,
+                         std::unique_ptr<ConnectRequestState> req) {
+  auto private_data = co_await req->request->ReadPrivateData(
+      absl::Now() + st->options.accept_timeout);
+  st->pending.remove(pending);
+  ++st->stats.requests;
+  if (!private_data.ok()) {
+    std::string why =
+        pending->evicted
+            ? std::string(
+                  "dropped for a newer connection: too many handshakes "
+                  "pending (ListenerOptions::max_pending_handshakes)")
+        : st->closed ? std::string("the listener closed")
+                     : absl::StrCat("no valid handshake within ",
+                                    absl::FormatDuration(
+                                        st->options.accept_timeout),
+                                    ": ", private_data.status().message());
+    req->decided = true;
+    st->Refuse(PeerName(*req), why);
+    co_return;
+  }
+  auto h = DecodeHandshake(std::as_bytes(std::span(*private_data)));
+  if (!h.ok()) {
+    RejectState(*req, std::string(h.status().message())).IgnoreError();
+    co_return;
+  }
+  req->peer.handshake = *std::move(h);
+  if (st->closed) {
+    RejectState(*req, "the listener closed").IgnoreError();
+    co_return;
+  }
+  if (st->ready.size() >= st->options.max_queued_requests) {
+    RejectState(*req,
+                "server busy: too many requests waiting to be accepted "
+                "(ListenerOptions::max_queued_requests)")
+        .IgnoreError();
+    co_return;
+  }
+  st->ready.push_back(std::move(req));
+  st->ready_event.Set();
+}
+
+// Takes every request the endpoint yields and starts reading its handshake.
+Task<void> Pump(std::shared_ptr<ListenerState> st) {
+  absl::Duration backoff = kMinBackoff;
+  while (!st->closed) {
+    std::shared_ptr<transport::PassiveEndpoint> ep = st->endpoint;
+    auto next = ep->Next(absl::Seconds(1));
+    auto in = co_await std::move(next);
+    if (st->closed) break;
+    if (!in.ok()) {
+      if (in.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
+      // Out of fds or memory, a connection aborted before it was taken:
+      // transient. Log once per burst, back off, accept again.
+      ++st->stats.accept_errors;
+      st->stats.last_accept_error = std::string(in.status().message());
+      uint64_t more = 0;
+      if (st->error_log.Allow(&more)) {
+        COVERBS_LOG(kError, "cm", "%s: accepting failed: %s; retrying in %s%s",
+                    st->name, in.status().message(),
+                    absl::FormatDuration(backoff),
+                    more > 0 ? absl::StrCat(" (", more, " more failures)")
+                             : std::string());
+      }
+      auto sleep = Reactor::Current()->Sleep(backoff);
+      absl::Status s = co_await sleep;
+      if (!s.ok()) break;  // cancelled: closing
+      backoff = std::min(backoff * 2, kMaxBackoff);
+      continue;
+    }
+    backoff = kMinBackoff;
+    auto req = std::make_unique<ConnectRequestState>();
+    req->listener_ctx = st->ctx;
+    req->listener = st;
+    req->options = st->options;
+    req->request = *std::move(in);
+    req->peer.address = req->request->peer_address();
+    req->peer.port = req->request->peer_port();
+    if (st->pending.size() >= std::max<size_t>(
+                                  1, st->options.max_pending_handshakes)) {
+      std::shared_ptr<PendingHandshake> oldest = st->pending.front();
+      st->pending.pop_front();
+      oldest->evicted = true;
+      ++st->stats.evicted;
+      oldest->stop.request_stop();
+    }
+    auto pending = std::make_shared<PendingHandshake>();
+    pending->peer = PeerName(*req);
+    st->pending.push_back(pending);
+    st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
+                             pending->stop.get_token());
+  }
+  st->ready_event.Set();
 }
 
 }  // namespace
@@ -93,8 +232,7 @@ absl::Status ConnectRequest::Reject(std::string_view reason) {
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
     Context& ctx) {
   ConnectRequestState& st = *state_;
-  std::string where =
-      absl::StrCat("accept from ", Endpoint(st.peer.address, st.peer.port));
+  std::string where = absl::StrCat("accept from ", PeerName(st));
   if (st.decided) {
     co_return absl::FailedPreconditionError(
         absl::StrCat(where, ": request already decided"));
@@ -115,34 +253,65 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
   auto est = co_await st.request->Accept(internal::ConnectorOf(ctx), **setup,
                                          deadline);
   if (!est.ok()) {
-    if (st.request->rejected()) CountReject(st, st.request->reject_reason());
+    if (st.request->rejected()) {
+      CountReject(st, st.request->reject_reason());
+    } else if (auto l = st.listener.lock()) {
+      l->Refuse(PeerName(st), std::string(est.status().message()));
+    }
     co_return est.status();
   }
   auto conn = (*setup)->Start(st.peer, std::move(est->link));
-  if (!conn.ok()) co_return conn.status();
-  if (!st.listener_alive.expired()) ++st.stats->accepted;
+  if (!conn.ok()) {
+    CountReject(st, std::string(conn.status().message()));
+    co_return conn.status();
+  }
+  // The handshake is complete only with the peer's first message (its
+  // hello): a peer that connected and then says nothing is dropped here.
+  absl::Status spoke =
+      co_await internal::ConnectionSetup::WaitPeerSpoke(**conn, deadline);
+  if (!spoke.ok()) {
+    CountReject(st, std::string(spoke.message()));
+    co_return Annotate(spoke, where);
+  }
+  if (auto l = st.listener.lock()) {
+    ++l->stats.accepted;
+    COVERBS_LOG(kInfo, "cm", "%s: accepted %s", l->name, (*conn)->name());
+  }
   co_return conn;
 }
 
 // ---------------------------------------------------------------------------
 
-Listener::Listener(std::unique_ptr<ListenerState> s) : state_(std::move(s)) {}
+Listener::Listener(std::shared_ptr<ListenerState> s) : state_(std::move(s)) {}
 Listener::~Listener() { Close(); }
 
 uint16_t Listener::port() const { return state_->port; }
 const std::string& Listener::address() const { return state_->address; }
-const Listener::Stats& Listener::stats() const { return state_->stats; }
+Listener::Stats Listener::stats() const {
+  Stats s = state_->stats;
+  s.pending = state_->pending.size();
+  s.queued = state_->ready.size();
+  return s;
+}
 
 void Listener::Close() {
-  if (state_->closed) return;
-  state_->closed = true;
-  if (state_->endpoint != nullptr) state_->endpoint->Close();
-  state_->endpoint.reset();
+  ListenerState& st = *state_;
+  if (st.closed) return;
+  st.closed = true;
+  st.pump_stop.request_stop();
+  for (auto& p : st.pending) p->stop.request_stop();
+  if (st.endpoint != nullptr) st.endpoint->Close();
+  st.endpoint.reset();
+  // Requests nobody will take: each rejects itself ("not accepted").
+  st.ready.clear();
+  st.ready_event.Set();
+  COVERBS_LOG(kInfo, "cm", "%s: closed (%d accepted, %d refused)", st.name,
+              st.stats.accepted, st.stats.rejected);
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
     Context& ctx, std::string address, uint16_t port, ListenerOptions options) {
-  auto st = std::make_unique<ListenerState>();
+  auto st = std::make_shared<ListenerState>();
   st->ctx = &ctx;
   st->address = address;
   st->options = std::move(options);
@@ -151,58 +320,35 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
   if (!ep.ok()) return ep.status();
   st->endpoint = *std::move(ep);
   st->port = st->endpoint->port();
+  st->name = absl::StrCat("listener ", Endpoint(st->address, st->port));
+  COVERBS_LOG(kInfo, "cm", "%s: listening", st->name);
+  ctx.reactor().Spawn(Pump(st), st->pump_stop.get_token());
   return std::unique_ptr<Listener>(new Listener(std::move(st)));
 }
 
 Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
-  ListenerState& st = *state_;
-  std::string where = absl::StrCat("listener ", Endpoint(st.address, st.port));
+  std::shared_ptr<ListenerState> st = state_;
   for (;;) {
-    if (st.closed) {
-      co_return absl::CancelledError(absl::StrCat(where, ": closed"));
+    if (!st->ready.empty()) {
+      std::unique_ptr<ConnectRequestState> req = std::move(st->ready.front());
+      st->ready.pop_front();
+      if (st->ready.empty() && !st->closed) st->ready_event.Reset();
+      co_return std::unique_ptr<ConnectRequest>(
+          new ConnectRequest(std::move(req)));
     }
-    // Bounded waits so that Close() is noticed promptly; the endpoint stays
-    // alive while this waits on it.
-    std::shared_ptr<transport::PassiveEndpoint> ep = st.endpoint;
-    auto in = co_await ep->Next(absl::Milliseconds(100));
-    if (!in.ok()) {
-      if (in.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
-      co_return in.status();
+    if (st->closed) {
+      co_return absl::CancelledError(absl::StrCat(st->name, ": closed"));
     }
-    auto req = std::make_unique<ConnectRequestState>();
-    req->listener_ctx = st.ctx;
-    req->stats = &st.stats;
-    req->listener_alive = st.alive;
-    req->options = st.options;
-    req->request = *std::move(in);
-    req->peer.address = req->request->peer_address();
-    req->peer.port = req->request->peer_port();
-    // A peer that connects and never sends its request (soft) is dropped
-    // after accept_timeout; others are served only after this one --
-    // requests are small and come at once from coverbs peers.
-    auto private_data = co_await req->request->ReadPrivateData(
-        absl::Now() + st.options.accept_timeout);
-    ++st.stats.requests;
-    if (!private_data.ok()) {
-      ++st.stats.rejected;
-      st.stats.last_reject_reason =
-          std::string(private_data.status().message());
-      continue;
-    }
-    auto h = DecodeHandshake(std::as_bytes(std::span(*private_data)));
-    if (!h.ok()) {
-      RejectState(*req, std::string(h.status().message())).IgnoreError();
-      continue;
-    }
-    req->peer.handshake = *std::move(h);
-    co_return std::unique_ptr<ConnectRequest>(
-        new ConnectRequest(std::move(req)));
+    auto wait = st->ready_event.Wait();
+    absl::Status s = co_await wait;
+    if (!s.ok()) co_return Annotate(s, st->name);
   }
 }
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Listener::Accept() {
   for (;;) {
-    auto req = co_await Next();
+    auto next = Next();
+    auto req = co_await std::move(next);
     if (!req.ok()) co_return req.status();
     if (state_->options.admit) {
       absl::Status s = state_->options.admit((*req)->peer());
@@ -211,7 +357,8 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> Listener::Accept() {
         continue;
       }
     }
-    auto conn = co_await (*req)->Accept(*state_->ctx);
+    auto accept = (*req)->Accept(*state_->ctx);
+    auto conn = co_await std::move(accept);
     // One failed setup (the peer gave up, say) does not stop the listener.
     if (!conn.ok()) continue;
     co_return conn;

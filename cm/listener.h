@@ -6,8 +6,24 @@
 //   auto conn = co_await (*ln)->Accept();
 //
 // Requests with a handshake that does not decode (garbage, another protocol
-// version) are rejected with the reason and never returned. Each step is
-// bounded by ListenerOptions::accept_timeout. Connecting: cm/connect.h.
+// version) are rejected with the reason and never returned. Connecting:
+// cm/connect.h.
+//
+// Lock-out: the listener reads every new request's handshake concurrently,
+// each bounded by accept_timeout, in the background from Create on (not
+// only while Next() waits), so a peer that connects and says nothing --
+// or half a handshake -- delays nobody. At most max_pending_handshakes are
+// read at once (the oldest is dropped for a new one) and at most
+// max_queued_requests decoded requests wait for Next() (later ones are
+// rejected as busy). Errors accepting a socket (EMFILE, ENFILE, ENOMEM...)
+// never end the listener: it logs once per burst, backs off (10 ms up to
+// 1 s) and accepts again. Accept() completes only once the peer's first
+// message arrives, so a peer that connects and then says nothing is dropped
+// at accept_timeout too.
+//
+// Every request refused, connection accepted and listener error is one
+// log line (component "cm"; rejects at most one per second, with a count of
+// the rest).
 #ifndef COVERBS_CM_LISTENER_H_
 #define COVERBS_CM_LISTENER_H_
 
@@ -57,8 +73,13 @@ class ConnectRequest {
 
 struct ListenerOptions {
   ConnectionOptions connection;  // for connections accepted by Accept()
-  int backlog = 128;
-  absl::Duration accept_timeout = absl::Seconds(5);  // request -> ESTABLISHED
+  int backlog = 1024;
+  // TCP/rdma_cm request -> the peer's first message on the connection.
+  absl::Duration accept_timeout = absl::Seconds(5);
+  // Handshakes being read at once; above it the oldest is dropped.
+  size_t max_pending_handshakes = 1024;
+  // Decoded requests waiting for Next(); above it new ones are rejected.
+  size_t max_queued_requests = 1024;
   // Accept() calls this for each request; a non-OK status rejects the
   // request with the status message as reason. A handshake that does not
   // decode (garbage, version mismatch) is rejected before, with the reason.
@@ -85,18 +106,25 @@ class Listener {
   // Stops listening; pending Next()/Accept() resume with Cancelled.
   void Close();
 
-  // Requests refused (bad handshake, version mismatch, admit, Reject).
   struct Stats {
-    uint64_t requests = 0;
+    uint64_t requests = 0;  // handshakes read (or given up on)
     uint64_t accepted = 0;
+    // Refused: bad handshake, version mismatch, admit, Reject, busy, a
+    // handshake not finished by accept_timeout.
     uint64_t rejected = 0;
+    uint64_t evicted = 0;        // pending handshakes dropped for new ones
+    uint64_t accept_errors = 0;  // failed accepts of a socket (EMFILE...)
+    size_t pending = 0;          // handshakes being read now
+    size_t queued = 0;           // decoded requests waiting for Next()
     std::string last_reject_reason;
+    std::string last_accept_error;
   };
-  const Stats& stats() const;
+  Stats stats() const;
 
  private:
-  explicit Listener(std::unique_ptr<internal::ListenerState> s);
-  std::unique_ptr<internal::ListenerState> state_;
+  explicit Listener(std::shared_ptr<internal::ListenerState> s);
+  // Shared with the background tasks reading handshakes.
+  std::shared_ptr<internal::ListenerState> state_;
 };
 
 }  // namespace coverbs::cm

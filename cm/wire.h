@@ -17,7 +17,7 @@ enum MsgType : uint8_t {
   kRts = 3,      // rendezvous request: length = message size, cookie = id
   kCts = 4,      // rendezvous grant: CtsPayload, cookie echoed
   kDone = 5,     // rendezvous data written (or aborted: kFlagAborted)
-  kHello = 6,    // iWARP: the active side's first message
+  kHello = 6,    // the active side's first message (protocol 4)
   kGoodbye = 7,  // orderly close: no more messages follow
 };
 inline constexpr uint8_t kMaxMsgType = kGoodbye;

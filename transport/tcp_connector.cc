@@ -1,6 +1,7 @@
 #include "transport/tcp_connector.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -281,10 +282,16 @@ class TcpRequest final : public IncomingRequest {
 class TcpEndpoint final : public PassiveEndpoint {
  public:
   TcpEndpoint(Fd fd, std::string address, uint16_t port)
-      : fd_(std::move(fd)), address_(std::move(address)), port_(port) {}
+      : fd_(std::move(fd)),
+        spare_(open("/dev/null", O_RDONLY | O_CLOEXEC)),
+        address_(std::move(address)),
+        port_(port) {}
 
   uint16_t port() const override { return port_; }
-  void Close() override { fd_.reset(); }
+  void Close() override {
+    fd_.reset();
+    spare_.reset();
+  }
 
   Task<absl::StatusOr<std::unique_ptr<IncomingRequest>>> Next(
       absl::Duration wait) override {
@@ -303,10 +310,30 @@ class TcpEndpoint final : public PassiveEndpoint {
         soft::ConfigureSocket(c);
         co_return std::unique_ptr<IncomingRequest>(new TcpRequest(Fd(c)));
       }
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
-          errno != ECONNABORTED) {
+      const int err = errno;
+      if (err == EMFILE || err == ENFILE) {
+        // Out of descriptors: the waiting connection would keep the
+        // listening socket readable and its peer waiting for nothing. Give
+        // up the spare descriptor to take it and close it at once (its
+        // peer sees the connection closed), then keep the spare again.
+        bool shed = false;
+        if (spare_.get() >= 0) {
+          spare_.reset();
+          int c = accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+          if (c >= 0) {
+            close(c);
+            shed = true;
+          }
+          spare_ = Fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+        }
+        co_return absl::ResourceExhaustedError(absl::StrCat(
+            where, ": accept: ", strerror(err),
+            shed ? " (a waiting connection was closed)" : ""));
+      }
+      if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR &&
+          err != ECONNABORTED) {
         co_return absl::UnavailableError(
-            absl::StrCat(where, ": accept: ", strerror(errno)));
+            absl::StrCat(where, ": accept: ", strerror(err)));
       }
       absl::Status s = co_await WithTimeout(readable(fd_.get()), wait);
       if (s.code() == absl::StatusCode::kDeadlineExceeded) co_return s;
@@ -316,6 +343,8 @@ class TcpEndpoint final : public PassiveEndpoint {
 
  private:
   Fd fd_;
+  // Reserved for shedding a connection when the process is out of fds.
+  Fd spare_;
   std::string address_;
   uint16_t port_;
 };

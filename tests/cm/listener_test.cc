@@ -1,0 +1,365 @@
+// The listener under hostile peers, on the soft provider (raw TCP sockets
+// play the attacker): silent and half-sent handshakes delay nobody, the
+// pending-handshake cap evicts the oldest, a peer that completes the setup
+// and then says nothing is dropped at the accept deadline, and running out
+// of file descriptors never ends the listener.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cm/connect.h"
+#include "cm/handshake.h"
+#include "cm/listener.h"
+#include "core/reactor.h"
+#include "gtest/gtest.h"
+#include "transport/device.h"
+
+namespace coverbs::cm {
+namespace {
+
+// A raw client socket: blocking connect to 127.0.0.1:port.
+int RawConnect(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The soft provider's setup frame (transport/tcp_connector.cc): u32 magic
+// "CVBS", u8 kind (1 = request), pad, u16 body length, body.
+std::string RequestFrame(const std::string& body) {
+  std::string f(8, '\0');
+  uint32_t magic = 0x53425643;
+  std::memcpy(f.data(), &magic, 4);
+  f[4] = 1;
+  uint16_t len = static_cast<uint16_t>(body.size());
+  std::memcpy(f.data() + 6, &len, 2);
+  return f + body;
+}
+
+std::string ValidHandshake() {
+  Handshake h;
+  h.credits = 8;
+  h.recv_buffer_size = 16 + 8192;
+  h.max_message_size = 1 << 20;
+  auto e = EncodeHandshake(h);
+  return e.ok() ? *e : std::string();
+}
+
+// True once `fd` reads EOF (or an error) within `ms`: the server dropped it.
+bool ClosedByPeer(int fd, int ms) {
+  absl::Time end = absl::Now() + absl::Milliseconds(ms);
+  char buf[512];
+  while (absl::Now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 20) <= 0) continue;
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+size_t OpenFds() {
+  size_t n = 0;
+  for (auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+class ListenerTest : public ::testing::Test {
+ public:
+  void SetUp() override {
+    // Each test holds hundreds of sockets on both ends.
+    rlimit rl{};
+    getrlimit(RLIMIT_NOFILE, &rl);
+    saved_rl_ = rl;
+    rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 8192);
+    setrlimit(RLIMIT_NOFILE, &rl);
+    auto r = Reactor::Create();
+    ASSERT_TRUE(r.ok()) << r.status();
+    reactor_ = *std::move(r);
+    transport::ProviderOptions o;
+    o.kind = "soft";
+    auto d = transport::Device::Open(o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    device_ = *std::move(d);
+    auto a = Context::Create(*reactor_, *device_);
+    ASSERT_TRUE(a.ok()) << a.status();
+    server_ctx_ = *std::move(a);
+    auto b = Context::Create(*reactor_, *device_);
+    ASSERT_TRUE(b.ok()) << b.status();
+    client_ctx_ = *std::move(b);
+  }
+  void TearDown() override {
+    for (int fd : raw_) close(fd);
+    raw_.clear();
+    if (reactor_) reactor_->BlockOn(Settle(reactor_.get()));
+    client_ctx_.reset();
+    server_ctx_.reset();
+    if (reactor_) reactor_->BlockOn(Settle(reactor_.get()));
+    device_.reset();
+    reactor_.reset();
+    setrlimit(RLIMIT_NOFILE, &saved_rl_);
+  }
+  static Task<void> Settle(Reactor* r) {
+    for (int i = 0; i < 20; ++i) {
+      auto s = r->Sleep(absl::Milliseconds(10));
+      co_await s;
+    }
+  }
+
+  // Accepts connections on `ln` and keeps them until the test ends.
+  static Task<void> Serve(Listener* ln,
+                          std::vector<std::unique_ptr<Connection>>* keep) {
+    for (;;) {
+      auto a = ln->Accept();
+      auto c = co_await std::move(a);
+      if (!c.ok()) co_return;
+      keep->push_back(*std::move(c));
+    }
+  }
+
+  // One good client: connects, sends, and the time it took to connect.
+  Task<absl::StatusOr<absl::Duration>> GoodClient(uint16_t port) {
+    ConnectOptions o;
+    o.connect_timeout = absl::Seconds(3);
+    absl::Time start = absl::Now();
+    auto c = co_await Connect(*client_ctx_, "127.0.0.1", port, o);
+    if (!c.ok()) co_return c.status();
+    absl::Duration took = absl::Now() - start;
+    std::string hi = "hello";
+    auto s = co_await (*c)->Send(std::as_bytes(std::span(hi)));
+    if (!s.ok()) co_return s;
+    co_return took;
+  }
+
+  Task<void> Sleep(absl::Duration d) {
+    auto s = reactor_->Sleep(d);
+    co_await s;
+  }
+
+  rlimit saved_rl_{};
+  std::unique_ptr<Reactor> reactor_;
+  std::unique_ptr<transport::Device> device_;
+  std::unique_ptr<Context> server_ctx_, client_ctx_;
+  std::vector<int> raw_;
+};
+
+TEST_F(ListenerTest, SilentAndHalfSentPeersDelayNobody) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    ListenerOptions lo;
+    lo.accept_timeout = absl::Seconds(30);  // the attackers stay pending
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0, lo);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    std::vector<std::unique_ptr<Connection>> served;
+    std::stop_source stop;
+    reactor_->Spawn(Serve(ln->get(), &served), stop.get_token());
+    const uint16_t port = (*ln)->port();
+    std::string half = RequestFrame(ValidHandshake()).substr(0, 5);
+    for (int i = 0; i < 400; ++i) {
+      int fd = RawConnect(port);
+      if (fd < 0) {
+        ADD_FAILURE() << "raw connect " << i << ": " << strerror(errno);
+        co_return;
+      }
+      raw_.push_back(fd);
+      // Every other one sends half of a setup frame, then nothing.
+      if (i % 2 == 1) send(fd, half.data(), half.size(), MSG_NOSIGNAL);
+    }
+    co_await Sleep(absl::Milliseconds(200));
+    for (int round = 0; round < 3; ++round) {
+      auto took = co_await GoodClient(port);
+      if (!took.ok()) {
+        ADD_FAILURE() << "round " << round << ": " << took.status();
+        continue;
+      }
+      EXPECT_LT(*took, absl::Seconds(1)) << "round " << round;
+    }
+    Listener::Stats st = (*ln)->stats();
+    EXPECT_EQ(st.accepted, 3u);
+    EXPECT_EQ(st.pending, 400u);
+    EXPECT_EQ(st.evicted, 0u);
+    stop.request_stop();
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+TEST_F(ListenerTest, PendingHandshakesAboveTheCapEvictTheOldest) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    ListenerOptions lo;
+    lo.accept_timeout = absl::Seconds(30);
+    lo.max_pending_handshakes = 8;
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0, lo);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    std::vector<std::unique_ptr<Connection>> served;
+    std::stop_source stop;
+    reactor_->Spawn(Serve(ln->get(), &served), stop.get_token());
+    const uint16_t port = (*ln)->port();
+    for (int i = 0; i < 20; ++i) {
+      int fd = RawConnect(port);
+      if (fd < 0) {
+        ADD_FAILURE() << "raw connect: " << strerror(errno);
+        co_return;
+      }
+      raw_.push_back(fd);
+      // One at a time, so that "oldest" is well defined.
+      for (int w = 0; w < 100 && (*ln)->stats().pending +
+                                         (*ln)->stats().evicted <
+                                     static_cast<size_t>(i + 1);
+           ++w) {
+        co_await Sleep(absl::Milliseconds(5));
+      }
+    }
+    Listener::Stats st = (*ln)->stats();
+    EXPECT_EQ(st.pending, 8u);
+    EXPECT_EQ(st.evicted, 12u);
+    // The 12 oldest were closed by the server, the newest 8 were not.
+    co_await Sleep(absl::Milliseconds(50));
+    for (int i = 0; i < 20; ++i) {
+      EXPECT_EQ(ClosedByPeer(raw_[i], i < 12 ? 1000 : 30), i < 12)
+          << "socket " << i;
+    }
+    EXPECT_NE(st.last_reject_reason.find("max_pending_handshakes"),
+              std::string::npos)
+        << st.last_reject_reason;
+    // A good client evicts one more and gets in.
+    auto took = co_await GoodClient(port);
+    EXPECT_TRUE(took.ok()) << took.status();
+    EXPECT_EQ((*ln)->stats().accepted, 1u);
+    stop.request_stop();
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+TEST_F(ListenerTest, AcceptedThenSilentPeerIsDroppedAtTheDeadline) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    ListenerOptions lo;
+    lo.accept_timeout = absl::Milliseconds(300);
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0, lo);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    const uint16_t port = (*ln)->port();
+    // A complete, valid setup frame; then nothing on the QP protocol.
+    int fd = RawConnect(port);
+    if (fd < 0) {
+      ADD_FAILURE() << "raw connect: " << strerror(errno);
+      co_return;
+    }
+    raw_.push_back(fd);
+    std::string f = RequestFrame(ValidHandshake());
+    EXPECT_EQ(send(fd, f.data(), f.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(f.size()));
+    auto next = (*ln)->Next();
+    auto req = co_await std::move(next);
+    if (!req.ok()) {
+      ADD_FAILURE() << req.status();
+      co_return;
+    }
+    absl::Time start = absl::Now();
+    auto accept = (*req)->Accept(*server_ctx_);
+    auto conn = co_await std::move(accept);
+    absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(conn.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << conn.status();
+    EXPECT_NE(conn.status().message().find("sent nothing"),
+              std::string_view::npos)
+        << conn.status();
+    EXPECT_GE(took, absl::Milliseconds(250));
+    EXPECT_LT(took, absl::Seconds(2));
+    EXPECT_EQ((*ln)->stats().rejected, 1u);
+    // The server let go of the socket.
+    EXPECT_TRUE(ClosedByPeer(fd, 2000));
+    // And a real client is served as before.
+    std::vector<std::unique_ptr<Connection>> served;
+    std::stop_source stop;
+    reactor_->Spawn(Serve(ln->get(), &served), stop.get_token());
+    auto good = co_await GoodClient(port);
+    EXPECT_TRUE(good.ok()) << good.status();
+    stop.request_stop();
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+TEST_F(ListenerTest, RunningOutOfFileDescriptorsNeverEndsTheListener) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    std::vector<std::unique_ptr<Connection>> served;
+    std::stop_source stop;
+    reactor_->Spawn(Serve(ln->get(), &served), stop.get_token());
+    const uint16_t port = (*ln)->port();
+    // Leave the process 4 descriptors, then take them with raw clients:
+    // the server's accept4 fails with EMFILE.
+    rlimit rl{};
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rlimit low = rl;
+    low.rlim_cur = OpenFds() + 4;
+    if (setrlimit(RLIMIT_NOFILE, &low) != 0) {
+      ADD_FAILURE() << "setrlimit: " << strerror(errno);
+      co_return;
+    }
+    std::vector<int> extra;
+    for (int i = 0; i < 8; ++i) {
+      int fd = RawConnect(port);
+      if (fd >= 0) extra.push_back(fd);
+      co_await Sleep(absl::Milliseconds(20));
+    }
+    for (int w = 0; w < 100 && (*ln)->stats().accept_errors == 0; ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    Listener::Stats st = (*ln)->stats();
+    EXPECT_GE(st.accept_errors, 1u);
+    EXPECT_NE(st.last_accept_error.find("Too many open files"),
+              std::string::npos)
+        << st.last_accept_error;
+    // Descriptors come back: the listener accepts again.
+    for (int fd : extra) close(fd);
+    EXPECT_EQ(setrlimit(RLIMIT_NOFILE, &rl), 0);
+    auto took = co_await GoodClient(port);
+    EXPECT_TRUE(took.ok()) << took.status();
+    if (took.ok()) EXPECT_LT(*took, absl::Seconds(2));
+    stop.request_stop();
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+}  // namespace
+}  // namespace coverbs::cm
