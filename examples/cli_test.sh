@@ -26,6 +26,10 @@ for p in "$echo_server" "$echo_client" "$kv_server" "$kv_client"; do
   expect 2 "port" "$p" --port=notanumber
   expect 2 "stray" "$p" stray
   expect 0 "" "$p" --help
+  # The help text itself reaches a pipe (stdout), naming the flags.
+  if [[ "$(timeout 20 "$p" --help 2>/dev/null)" != *"--port"* ]]; then
+    echo "FAIL: $p --help printed no flag list on stdout"; fail=1
+  fi
 done
 expect 2 "--address is empty" "$echo_server" --address=
 expect 2 "--address is empty" "$kv_server" --address=

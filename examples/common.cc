@@ -26,6 +26,12 @@ void ExitCodeForFlagErrors() {
   int st = g_parse_state.load();
   // absl::ParseCommandLine exits with 1 both for a bad flag and after
   // printing --help; the examples promise 2 and 0.
+  // _exit skips stdio's flush: flush first, or the help text (stdout)
+  // never reaches a pipe.
+  if (st != 0) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+  }
   if (st == 1) _exit(2);
   if (st == 2) _exit(0);
 }
