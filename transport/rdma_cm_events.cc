@@ -139,17 +139,17 @@ std::shared_ptr<CmId> CmId::AdoptRequest(CmEventChannel* ch, rdma_cm_id* id) {
 }
 
 void CmId::Register() {
-  std::lock_guard<std::mutex> lock(channel_->shared_->mu);
-  channel_->shared_->ids[id_] = this;
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->ids[id_] = this;
 }
 
 CmId::~CmId() {
   {
-    std::lock_guard<std::mutex> lock(channel_->shared_->mu);
-    channel_->shared_->ids.erase(id_);
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->ids.erase(id_);
   }
   // Keep the channel alive until the id is gone.
-  std::shared_ptr<CmEventChannel::Shared> keep = channel_->shared_;
+  std::shared_ptr<CmEventChannel::Shared> keep = shared_;
   if (destroy_in_background_) {
     std::thread([id = id_, keep] { rdma_destroy_id(id); }).detach();
     return;
@@ -204,8 +204,8 @@ Task<absl::StatusOr<CmEvent>> CmId::Next(absl::Duration timeout) {
 absl::Status CmId::Migrate(CmEventChannel* to) {
   if (to == channel_) return absl::OkStatus();
   {
-    std::lock_guard<std::mutex> lock(channel_->shared_->mu);
-    channel_->shared_->ids.erase(id_);
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->ids.erase(id_);
   }
   if (rdma_migrate_id(id_, to->channel()) != 0) {
     int err = errno;
@@ -214,6 +214,7 @@ absl::Status CmId::Migrate(CmEventChannel* to) {
         absl::StrCat("rdma_migrate_id failed: ", strerror(err)));
   }
   channel_ = to;
+  shared_ = to->shared_;
   Register();
   return absl::OkStatus();
 }

@@ -92,10 +92,16 @@ class CmId : public std::enable_shared_from_this<CmId> {
   void Deliver(CmEvent ev);  // on the channel's reactor thread
 
  private:
-  CmId(CmEventChannel* ch, rdma_cm_id* id) : channel_(ch), id_(id) {}
+  CmId(CmEventChannel* ch, rdma_cm_id* id)
+      : channel_(ch), shared_(ch->shared_), id_(id) {}
   void Register();
 
   CmEventChannel* channel_;
+  // The channel's state, held (not only reached through channel_) because
+  // an id may outlive its CmEventChannel object -- a task still holding a
+  // listening id after its Context went -- and the rdma_cm channel must
+  // outlive every id on it.
+  std::shared_ptr<CmEventChannel::Shared> shared_;
   rdma_cm_id* id_;
   std::deque<CmEvent> events_;
   Event signal_;
