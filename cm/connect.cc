@@ -43,7 +43,14 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWith(
   params.resolve_timeout = o.resolve_timeout;
   params.connect_timeout = o.connect_timeout;
   auto est = co_await internal::ConnectorOf(ctx).Connect(params, **setup);
-  if (!est.ok()) co_return est.status();
+  if (!est.ok()) {
+    // No CQ had room: say which options bound it, not only that one is full.
+    const absl::Status& why = (*setup)->cq_error();
+    if (!why.ok()) {
+      co_return Annotate(why, where);
+    }
+    co_return est.status();
+  }
   auto peer_h = DecodeHandshake(std::as_bytes(std::span(est->private_data)));
   if (!peer_h.ok()) {
     co_return Annotate(peer_h.status(),

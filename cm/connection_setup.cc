@@ -1,9 +1,11 @@
 #include "cm/connection_setup.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "absl/status/status.h"
 #include "cm/connection_impl.h"
+#include "cm/context_shared.h"
 #include "cm/handshake.h"
 #include "cm/srq_pool.h"
 #include "cm/wire.h"
@@ -47,6 +49,22 @@ absl::StatusOr<std::unique_ptr<ConnectionSetup>> ConnectionSetup::Create(
 }
 
 ConnectionSetup::~ConnectionSetup() = default;
+
+transport::CompletionQueue& ConnectionSetup::cq() {
+  if (cq_ != nullptr) return *cq_;
+  // Devices round queue depths up (rxe to 2^k - 1, siw to 2^k): ask for
+  // room for the rounded depths, so that the QP's reservation fits.
+  auto rounded = [](uint32_t n) {
+    return static_cast<int>(std::bit_ceil(n + 1));
+  };
+  int need = rounded(qp_options_.max_send_wr) +
+             (options_.use_srq ? 0 : rounded(qp_options_.max_recv_wr));
+  auto cq = CqWithRoom(ctx_, need);
+  // None: the first CQ, whose reservation then fails with the reason.
+  cq_ = cq.ok() ? *cq : &ctx_.cq();
+  if (!cq.ok()) cq_error_ = cq.status();
+  return *cq_;
+}
 
 absl::StatusOr<std::string> ConnectionSetup::Adopt(
     std::unique_ptr<transport::QueuePair> qp) {

@@ -33,11 +33,22 @@ class ConnectionSetup final : public transport::QpSetup {
   void set_raw_private_data(std::string raw) { raw_ = std::move(raw); }
 
   transport::ProtectionDomain& pd() override { return ctx_.pd(); }
-  transport::CompletionQueue& cq() override { return ctx_.cq(); }
+  // A CQ with room for this connection's QP, picked when the connector
+  // creates the QP (CqWithRoom); the shared receive queue's CQ for its
+  // receives.
+  transport::CompletionQueue& cq() override;
+  // Why no CQ had room (then the QP's creation failed on the first CQ).
+  const absl::Status& cq_error() const { return cq_error_; }
+  transport::CompletionQueue& recv_cq() override {
+    return options_.use_srq ? ctx_.cq() : cq();
+  }
   const transport::QpOptions& qp_options() override { return qp_options_; }
   absl::StatusOr<std::string> Adopt(
       std::unique_ptr<transport::QueuePair> qp) override;
-  void Discard() override { conn_.reset(); }
+  void Discard() override {
+    conn_.reset();
+    cq_ = nullptr;  // a retry picks again
+  }
 
   // The connection is established: validates the peer's handshake against
   // ours and starts messaging.
@@ -56,6 +67,8 @@ class ConnectionSetup final : public transport::QpSetup {
   ConnectionOptions options_;
   bool active_;
   transport::QpOptions qp_options_;
+  transport::CompletionQueue* cq_ = nullptr;
+  absl::Status cq_error_;
   std::string app_data_;
   std::string raw_;
   std::unique_ptr<Connection> conn_;

@@ -1,6 +1,7 @@
 #include "cm/context.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/str_format.h"
 #include "cm/context_shared.h"
 
 namespace coverbs::cm {
@@ -46,5 +47,46 @@ Context::~Context() {
   cq_.reset();
   owned_pd_.reset();
 }
+
+int Context::cq_count() const {
+  return 1 + static_cast<int>(shared_->more_cqs.size());
+}
+
+namespace internal {
+
+absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
+                                                       int entries) {
+  if (ctx.cq().free_entries() >= entries) return &ctx.cq();
+  auto& more = SharedOf(ctx).more_cqs;
+  for (auto& cq : more) {
+    if (cq->free_entries() >= entries) return cq.get();
+  }
+  if (entries > ctx.cq().capacity()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "a connection needs %d completion queue entries but a CQ on %s has "
+        "%d (raise ContextOptions::cq_entries or lower the connection's "
+        "send_depth / recv_credits)",
+        entries, ctx.device().name(), ctx.cq().capacity()));
+  }
+  if (ctx.cq_count() >= ctx.options().max_cqs) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "every completion queue on %s is full: %d CQs of %d entries "
+        "(ContextOptions::max_cqs, cq_entries), %d more entries requested",
+        ctx.device().name(), ctx.cq_count(), ctx.cq().capacity(), entries));
+  }
+  auto cq = transport::CompletionQueue::Create(ctx.device(), ctx.reactor(),
+                                               ctx.cq().capacity());
+  if (!cq.ok()) {
+    return absl::Status(
+        cq.status().code(),
+        absl::StrFormat("creating completion queue %d on %s: %s",
+                        ctx.cq_count() + 1, ctx.device().name(),
+                        cq.status().message()));
+  }
+  more.push_back(*std::move(cq));
+  return more.back().get();
+}
+
+}  // namespace internal
 
 }  // namespace coverbs::cm

@@ -1,8 +1,9 @@
 // cm::Context: what one reactor needs to run connections.
 //
 // One Context per Reactor (thread). It owns the protection domain (unless
-// one is shared in), the completion queue every connection of the reactor
-// completes into, the registered buffer pools connections draw their
+// one is shared in), the completion queues the reactor's connections
+// complete into (a first one, and more as connections fill them, up to
+// max_cqs), the registered buffer pools connections draw their
 // receive rings and send buffers from, the registration cache used for
 // zero-copy rendezvous, and the transport::Connector that establishes its
 // connections (verbs: rdma_cm, its event channel watched by the reactor;
@@ -35,7 +36,14 @@ class ContextAccess;
 }  // namespace internal
 
 struct ContextOptions {
-  int cq_entries = 0;  // 0: CompletionQueue's default
+  // Entries per completion queue (0: CompletionQueue's default, at most
+  // 4096). Each connection reserves its worst case on one CQ
+  // (ConnectionOptions::send_depth + 10, plus recv_credits + 6 without an
+  // SRQ: 144 with the defaults); when no CQ has room the Context creates
+  // another, up to max_cqs (with the defaults: 28 connections per CQ,
+  // 1,792 per Context).
+  int cq_entries = 0;
+  int max_cqs = 64;
   // Share a PD between contexts (e.g. one PD for every reactor of a
   // ReactorPool so one MemoryRegion serves all connections). Not owned.
   transport::ProtectionDomain* pd = nullptr;
@@ -62,7 +70,10 @@ class Context {
   Reactor& reactor() const { return *reactor_; }
   transport::Device& device() const { return *device_; }
   transport::ProtectionDomain& pd() const { return *pd_; }
+  // The first completion queue (the shared receive queue's receives
+  // complete here); connections may be on others (cq_count()).
   transport::CompletionQueue& cq() const { return *cq_; }
+  int cq_count() const;
   transport::RegistrationCache& registrations() { return *reg_cache_; }
   const ContextOptions& options() const { return options_; }
 

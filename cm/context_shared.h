@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include "cm/context.h"
 #include "cm/large_memory_cache.h"
@@ -34,7 +35,16 @@ struct ContextShared {
   // The shared receive queue and its buffers (ConnectionOptions::use_srq);
   // created by the first connection that asks for it.
   SrqPool* srq_pool = nullptr;
+  // CQs created when the first one (Context::cq()) had no room; they go
+  // with this struct, after every connection.
+  std::vector<std::unique_ptr<transport::CompletionQueue>> more_cqs;
 };
+
+// A completion queue of `ctx` with `entries` unreserved: the first one
+// with room, else a new one (ContextOptions::max_cqs). ResourceExhausted
+// naming the options when none can be had.
+absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
+                                                       int entries);
 
 // The parts of a Context only the cm layer uses.
 class ContextAccess {

@@ -252,6 +252,9 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
   st.decided = true;
   auto est = co_await st.request->Accept(internal::ConnectorOf(ctx), **setup,
                                          deadline);
+  if (!est.ok() && !(*setup)->cq_error().ok()) {
+    est = Annotate((*setup)->cq_error(), where);
+  }
   if (!est.ok()) {
     if (st.request->rejected()) {
       CountReject(st, st.request->reject_reason());

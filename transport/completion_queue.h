@@ -72,6 +72,8 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   // a CQ never overruns; Reserve fails with ResourceExhausted when full.
   absl::Status Reserve(int n);
   void Unreserve(int n) { reserved_ -= n; }
+  int reserved() const { return reserved_; }
+  int free_entries() const { return capacity() - reserved_; }
 
   // Outstanding operations (drives adaptive polling).
   void AddInFlight(int n) { in_flight_ += n; }

@@ -50,7 +50,11 @@ class QpSetup {
  public:
   virtual ~QpSetup() = default;
   virtual ProtectionDomain& pd() = 0;
+  // Send completions (and receive completions unless recv_cq() differs).
   virtual CompletionQueue& cq() = 0;
+  // Receive completions; another CQ only for a QP on a shared receive
+  // queue (qp_options().srq), whose receives are reserved on that CQ.
+  virtual CompletionQueue& recv_cq() { return cq(); }
   virtual const QpOptions& qp_options() = 0;
   // Takes the connection's new QP (INIT: receives may be posted, nothing
   // can be sent yet) and returns the private data to send with the connect

@@ -35,7 +35,7 @@ QpInit InitFor(QpSetup& setup) {
   const QpOptions& o = setup.qp_options();
   QpInit i;
   i.send_cq = setup.cq().provider();
-  i.recv_cq = setup.cq().provider();
+  i.recv_cq = setup.recv_cq().provider();
   i.srq = o.srq;
   i.max_send_wr = o.max_send_wr;
   i.max_recv_wr = o.max_recv_wr;

@@ -307,7 +307,14 @@ QueuePair::CreatePair(ProtectionDomain& pd_a, CompletionQueue& cq_a,
 
 absl::StatusOr<std::unique_ptr<QueuePair>> QueuePair::Adopt(
     std::unique_ptr<ProviderQp> qp, CompletionQueue& cq,
-    const QpOptions& options, std::shared_ptr<void> keepalive) {
+    const QpOptions& options, std::shared_ptr<void> keepalive,
+    CompletionQueue* recv_cq) {
+  if (recv_cq != nullptr && recv_cq != &cq && options.srq == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "QP 0x%x: a separate receive CQ needs a shared receive queue (its "
+        "receives are reserved on that CQ)",
+        qp->qp_num()));
+  }
   int need = static_cast<int>(qp->max_send_wr() +
                               (options.srq ? 0 : qp->max_recv_wr()));
   absl::Status s = cq.Reserve(need);
@@ -315,7 +322,9 @@ absl::StatusOr<std::unique_ptr<QueuePair>> QueuePair::Adopt(
   std::unique_ptr<QueuePair> q(
       new QueuePair(std::move(qp), &cq, options, std::move(keepalive)));
   q->cq_reserved_ = need;
+  if (recv_cq != nullptr) q->rcq_ = recv_cq;
   cq.RegisterOwner(q->qp_num_, q.get());
+  if (q->rcq_ != q->cq_) q->rcq_->RegisterOwner(q->qp_num_, q.get());
   return q;
 }
 
@@ -323,6 +332,7 @@ QueuePair::QueuePair(std::unique_ptr<ProviderQp> qp, CompletionQueue* cq,
                      const QpOptions& options, std::shared_ptr<void> keepalive)
     : qp_(std::move(qp)),
       cq_(cq),
+      rcq_(cq),
       keepalive_(std::move(keepalive)),
       options_(options),
       qp_num_(qp_->qp_num()),
@@ -351,6 +361,7 @@ QueuePair::~QueuePair() {
   }
   DisarmFlushWatchdog();  // SetError above may have armed it
   cq_->UnregisterOwner(qp_num_, this);
+  if (rcq_ != cq_) rcq_->UnregisterOwner(qp_num_, this);
   cq_->Unreserve(cq_reserved_);
   *alive_ = nullptr;
 }
@@ -387,7 +398,9 @@ void QueuePair::OnOpDone() {
 void QueuePair::DrainSync(const std::function<bool()>& done) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (!done() && std::chrono::steady_clock::now() < deadline) {
-    if (cq_->Poll() == 0) {
+    int n = cq_->Poll();
+    if (rcq_ != cq_) n += rcq_->Poll();
+    if (n == 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -437,7 +450,7 @@ void QueuePair::Abandon(std::string_view reason) {
   // buffer of its work requests; completions it already produced are
   // still in the CQ and are taken first, so none arrives after ours.
   qp_.reset();
-  while (cq_->Poll() > 0) {
+  while (cq_->Poll() + (rcq_ != cq_ ? rcq_->Poll() : 0) > 0) {
   }
   ibv_wc wc{};
   wc.status = IBV_WC_WR_FLUSH_ERR;

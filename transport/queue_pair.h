@@ -260,10 +260,15 @@ class QueuePair final : private WrOwner {
              ProtectionDomain& pd_b, CompletionQueue& cq_b,
              const QpOptions& options = {});
 
-  // Adopts a connected provider QP (the cm layer builds those).
+  // Adopts a connected provider QP (the cm layer builds those). `cq` takes
+  // its send completions, and its receive completions unless `recv_cq` is
+  // given -- only for a QP on a shared receive queue, whose receive
+  // completions go to the CQ that queue's receives are counted on (the
+  // connection layer spreads QPs' send completions over several CQs).
   static absl::StatusOr<std::unique_ptr<QueuePair>> Adopt(
       std::unique_ptr<ProviderQp> qp, CompletionQueue& cq,
-      const QpOptions& options, std::shared_ptr<void> keepalive = nullptr);
+      const QpOptions& options, std::shared_ptr<void> keepalive = nullptr,
+      CompletionQueue* recv_cq = nullptr);
 
   ~QueuePair();
   QueuePair(const QueuePair&) = delete;
@@ -319,6 +324,7 @@ class QueuePair final : private WrOwner {
   uint32_t qp_num() const { return qp_num_; }
   const DeviceCaps& caps() const { return cq_->device()->caps(); }
   CompletionQueue* cq() const { return cq_; }
+  CompletionQueue* recv_cq() const { return rcq_; }
   ProviderQp* provider() const { return qp_.get(); }
   bool in_error() const { return in_error_; }
   uint32_t send_capacity() const { return sq_capacity_; }
@@ -354,6 +360,7 @@ class QueuePair final : private WrOwner {
 
   std::unique_ptr<ProviderQp> qp_;
   CompletionQueue* cq_;
+  CompletionQueue* rcq_;  // receive completions; == cq_ unless on an SRQ
   std::shared_ptr<void> keepalive_;
   QpOptions options_;
   uint32_t qp_num_;

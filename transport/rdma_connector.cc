@@ -118,7 +118,8 @@ absl::StatusOr<AttemptQp> SetUpQp(const std::shared_ptr<CmId>& id,
   auto pqp = CreateQpOnCmId(id->id(), pd.provider(), a.init, id);
   if (!pqp.ok()) return pqp.status();
   auto qp =
-      QueuePair::Adopt(std::move(*pqp), setup.cq(), setup.qp_options(), id);
+      QueuePair::Adopt(std::move(*pqp), setup.cq(), setup.qp_options(), id,
+                       &setup.recv_cq());
   if (!qp.ok()) return qp.status();
   a.qp = (*qp)->provider();
   auto data = setup.Adopt(*std::move(qp));

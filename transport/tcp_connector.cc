@@ -189,7 +189,8 @@ absl::StatusOr<std::string> SetUpQp(QpSetup& setup, QueuePair** qp_out) {
   auto pqp =
       soft::CreateQp(setup.pd().provider(), connector_util::InitFor(setup));
   if (!pqp.ok()) return pqp.status();
-  auto qp = QueuePair::Adopt(std::move(*pqp), setup.cq(), setup.qp_options());
+  auto qp = QueuePair::Adopt(std::move(*pqp), setup.cq(), setup.qp_options(),
+                             nullptr, &setup.recv_cq());
   if (!qp.ok()) return qp.status();
   *qp_out = qp->get();
   return setup.Adopt(*std::move(qp));
