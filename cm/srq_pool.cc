@@ -8,6 +8,7 @@
 #include "cm/connection_impl.h"
 #include "cm/context_shared.h"
 #include "cm/wire.h"
+#include "core/log.h"
 
 namespace coverbs::cm {
 namespace internal {
@@ -115,8 +116,7 @@ bool SrqPool::Post(RecvSlot* s) {
   LocalBuffer b{s->data, static_cast<uint32_t>(slot_size), s->lkey};
   absl::Status st = srq->PostRecv(s, std::span<const LocalBuffer>(&b, 1));
   if (!st.ok()) {
-    std::fprintf(stderr, "coverbs: reposting an SRQ receive: %s\n",
-                 st.ToString().c_str());
+    COVERBS_LOG(kError, "cm", "reposting an SRQ receive: %s", st.ToString());
     unposted.push_back(s);
     return false;
   }

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 
 namespace coverbs::transport {
 
@@ -39,11 +40,10 @@ CompletionQueue::~CompletionQueue() {
   if (n > 0) unacked_ += n;
   if (unacked_ > 0) cq_->AckEvents(unacked_);
   if (in_flight_ != 0 || reserved_ != 0) {
-    std::fprintf(stderr,
-                 "coverbs: CompletionQueue on %s destroyed with %lld "
-                 "operations in flight and %d slots reserved\n",
-                 device_->name().c_str(), static_cast<long long>(in_flight_),
-                 reserved_);
+    COVERBS_LOG(kWarning, "transport",
+                "CompletionQueue on %s destroyed with %d operations in "
+                "flight and %d slots reserved",
+                device_->name(), in_flight_, reserved_);
   }
 }
 
@@ -70,8 +70,8 @@ void CompletionQueue::WatchChannel() {
 void CompletionQueue::OnIoComplete(int32_t res, uint32_t) {
   watch_slot_ = nullptr;
   if (res < 0 && res != -ECANCELED) {
-    std::fprintf(stderr, "coverbs: poll on completion channel of %s: %s\n",
-                 device_->name().c_str(), strerror(-res));
+    COVERBS_LOG(kError, "transport", "poll on completion channel of %s: %s",
+                device_->name(), strerror(-res));
   }
   int n = cq_->GetEvents();
   if (n > 0) {
@@ -108,12 +108,12 @@ int CompletionQueue::Poll() {
       auto it = owners_.find(wc[i].qp_num);
       if (it != owners_.end() && !it->second->HasPosted(wr, wc[i])) {
         ++stray_;
-        std::fprintf(stderr,
-                     "coverbs: QP 0x%x on %s: a %s completion for a work "
-                     "request it does not have posted (already completed: "
-                     "a device bug); ignored\n",
-                     wc[i].qp_num, device_->name().c_str(),
-                     ibv_wc_status_str(wc[i].status));
+        COVERBS_LOG(kWarning, "transport",
+                    "QP 0x%x on %s: a %s completion for a work request it "
+                    "does not have posted (already completed: a device "
+                    "bug); ignored",
+                    wc[i].qp_num, device_->name(),
+                    ibv_wc_status_str(wc[i].status));
         continue;
       }
     }
@@ -127,8 +127,8 @@ bool CompletionQueue::PrepareToSleep() {
   if (!armed_) {
     absl::Status s = cq_->RequestNotify();
     if (!s.ok()) {
-      std::fprintf(stderr, "coverbs: arming CQ on %s: %s\n",
-                   device_->name().c_str(), s.ToString().c_str());
+      COVERBS_LOG(kError, "transport", "arming CQ on %s: %s", device_->name(),
+                  s.ToString());
       return true;
     }
     armed_ = true;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 #include "core/timeout.h"
 
 namespace coverbs::transport {
@@ -154,10 +155,10 @@ void OpBase::OnCompletion(const ibv_wc& wc) {
   if (completed_) {
     // A second completion for a finished WR (a device bug): counting it
     // again would corrupt the QP's accounting and resume the waiter twice.
-    std::fprintf(stderr,
-                 "coverbs: QP 0x%x: a second completion (%s) for %s, "
-                 "which already completed; ignored\n",
-                 qp_num_, WcStatusName(wc.status), name_);
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x: a second completion (%s) for %s, which already "
+                "completed; ignored",
+                qp_num_, WcStatusName(wc.status), name_);
     return;
   }
   if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
@@ -353,10 +354,10 @@ QueuePair::~QueuePair() {
     DrainSync([this] { return outstanding_ == 0; });
   }
   if (outstanding_ > 0) {
-    std::fprintf(stderr,
-                 "coverbs: QP 0x%x destroyed with %llu operations whose flush "
-                 "never arrived; destroying the QP and completing them\n",
-                 qp_num_, static_cast<unsigned long long>(outstanding_));
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x destroyed with %d operations whose flush never "
+                "arrived; destroying the QP and completing them",
+                qp_num_, outstanding_);
     Abandon("destroyed; the device never flushed");
   }
   DisarmFlushWatchdog();  // SetError above may have armed it
@@ -382,10 +383,10 @@ bool QueuePair::HasPosted(const WorkRequest* wr, const ibv_wc& wc) const {
 
 void QueuePair::OnOpDone() {
   if (outstanding_ == 0) {
-    std::fprintf(stderr,
-                 "coverbs: QP 0x%x: a completion with no work request "
-                 "outstanding; ignored\n",
-                 qp_num_);
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x: a completion with no work request outstanding; "
+                "ignored",
+                qp_num_);
     return;
   }
   --outstanding_;
@@ -430,11 +431,11 @@ void QueuePair::WatchFlushes() {
 
 void QueuePair::FlushWatchdog::OnTimer() {
   if (qp->qp_ == nullptr || qp->outstanding_ == 0) return;
-  std::fprintf(stderr,
-               "coverbs: QP 0x%x: %llu work requests not flushed %s after "
-               "the error state; destroying the QP (the device lost them)\n",
-               qp->qp_num_, static_cast<unsigned long long>(qp->outstanding_),
-               absl::FormatDuration(qp->options_.flush_timeout).c_str());
+  COVERBS_LOG(kWarning, "transport",
+              "QP 0x%x: %d work requests not flushed %s after the error "
+              "state; destroying the QP (the device lost them)",
+              qp->qp_num_, qp->outstanding_,
+              absl::FormatDuration(qp->options_.flush_timeout));
   qp->Abandon("the device did not flush its work requests");
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 #include "transport/provider.h"
 #include "transport/soft/soft_provider.h"
 #include "transport/verbs/verbs_provider.h"
@@ -45,9 +46,9 @@ absl::StatusOr<std::unique_ptr<Provider>> OpenProvider(
   static std::once_flag logged;
   std::call_once(logged, [&] {
     const DeviceCaps& c = (*p)->caps();
-    std::fprintf(stderr, "coverbs: provider %s, device %s (%s; %s)\n",
-                 c.provider.c_str(), c.device_name.c_str(),
-                 TransportKindName(c.transport), why.c_str());
+    COVERBS_LOG(kInfo, "transport", "provider %s, device %s (%s; %s)",
+                c.provider, c.device_name, TransportKindName(c.transport),
+                why);
   });
   return p;
 }

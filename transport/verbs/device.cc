@@ -30,6 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "core/log.h"
 #include "transport/verbs/internal.h"
 
 namespace coverbs::transport::verbs_internal {
@@ -237,11 +238,11 @@ void PlugSiwMmapOffset(ibv_context* ctx, const std::string& name) {
                                         sizeof(struct siw_cqe));
   ibv_cq* cq = ibv_create_cq(ctx, kCqe, nullptr, nullptr, 0);
   if (cq == nullptr) {
-    std::fprintf(stderr,
-                 "coverbs: %s: could not reserve siw's mmap offset 0x%x "
-                 "(ibv_create_cq(%d): %s); QP creation may fail once about "
-                 "40 QPs exist\n",
-                 name.c_str(), SIW_INVAL_UOBJ_KEY, kCqe, std::strerror(errno));
+    COVERBS_LOG(kWarning, "verbs",
+                "%s: could not reserve siw's mmap offset 0x%x "
+                "(ibv_create_cq(%d): %s); QP creation may fail once about "
+                "40 QPs exist",
+                name, SIW_INVAL_UOBJ_KEY, kCqe, std::strerror(errno));
   }
   (*plugs)[ctx] = cq;
 }

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "core/log.h"
 #include "transport/verbs/internal.h"
 
 namespace coverbs::transport::verbs_internal {
@@ -79,7 +80,7 @@ void LogError(const char* fmt, ...) {
   va_start(ap, fmt);
   std::vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
-  std::fprintf(stderr, "coverbs/verbs: %s\n", buf);
+  Log(LogLevel::kError, "verbs", buf, __FILE__, __LINE__);
 }
 
 // ---------------------------------------------------------------- cores
