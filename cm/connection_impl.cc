@@ -375,6 +375,7 @@ ConnectionImpl::~ConnectionImpl() {
     pool_->committed -=
         outstanding_ + to_return_ + kCreditReserve + kCtsReserve;
   }
+  ScheduleCqTrim(ctx_);
 }
 
 }  // namespace coverbs::cm::internal

@@ -87,6 +87,22 @@ absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
   return more.back().get();
 }
 
+void ScheduleCqTrim(Context& ctx) {
+  ContextShared& sh = SharedOf(ctx);
+  if (sh.more_cqs.empty() || sh.trim_posted) return;
+  sh.trim_posted = true;
+  std::weak_ptr<int> alive = sh.trim_token;
+  Context* c = &ctx;
+  ctx.reactor().Post([alive, c] {
+    if (alive.expired()) return;
+    ContextShared& s = SharedOf(*c);
+    s.trim_posted = false;
+    std::erase_if(s.more_cqs, [](const auto& cq) {
+      return cq->reserved() == 0 && !cq->InFlight();
+    });
+  });
+}
+
 }  // namespace internal
 
 }  // namespace coverbs::cm

@@ -38,6 +38,10 @@ struct ContextShared {
   // CQs created when the first one (Context::cq()) had no room; they go
   // with this struct, after every connection.
   std::vector<std::unique_ptr<transport::CompletionQueue>> more_cqs;
+  // A trim of empty CQs is posted to the reactor (ScheduleCqTrim); the
+  // token tells it whether this Context still exists.
+  bool trim_posted = false;
+  std::shared_ptr<int> trim_token = std::make_shared<int>(0);
 };
 
 // A completion queue of `ctx` with `entries` unreserved: the first one
@@ -45,6 +49,10 @@ struct ContextShared {
 // naming the options when none can be had.
 absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
                                                        int entries);
+// After a connection went: soon (on the reactor, outside any poll), the
+// CQs added by CqWithRoom that no QP uses any more are destroyed, so a
+// burst of connections leaves no descriptors or memory behind.
+void ScheduleCqTrim(Context& ctx);
 
 // The parts of a Context only the cm layer uses.
 class ContextAccess {
