@@ -174,6 +174,7 @@ class Connection {
   // Statistics.
   struct Stats {
     uint64_t messages_sent = 0, messages_received = 0;
+    uint64_t bytes_sent = 0, bytes_received = 0;  // message payloads
     uint64_t rendezvous_sent = 0, rendezvous_received = 0;
     uint64_t credit_messages_sent = 0;
     uint64_t credit_waits = 0;  // sends that waited for a credit

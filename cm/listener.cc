@@ -14,6 +14,7 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <stop_token>
 #include <string>
 
@@ -68,6 +69,8 @@ struct ListenerState {
   std::string name;  // "listener ADDRESS:PORT"
   ListenerOptions options;
   bool closed = false;
+  // Written on the reactor thread; Listener::stats() may read from any.
+  mutable std::mutex stats_mu;
   Listener::Stats stats;
   std::shared_ptr<transport::PassiveEndpoint> endpoint;
   std::stop_source pump_stop;
@@ -78,9 +81,19 @@ struct ListenerState {
   LogLimiter reject_log{absl::Seconds(1)};
   LogLimiter error_log{absl::Seconds(1)};
 
+  template <typename F>
+  void Update(F f) {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    f(stats);
+    stats.pending = pending.size();
+    stats.queued = ready.size();
+  }
+
   void Refuse(std::string_view peer, std::string_view reason) {
-    ++stats.rejected;
-    stats.last_reject_reason = std::string(reason);
+    Update([&](Listener::Stats& s) {
+      ++s.rejected;
+      s.last_reject_reason = std::string(reason);
+    });
     uint64_t more = 0;
     if (reject_log.Allow(&more)) {
       COVERBS_LOG(kWarning, "cm", "%s: refused %s: %s%s", name, peer, reason,
@@ -119,7 +132,7 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
   auto private_data = co_await req->request->ReadPrivateData(
       absl::Now() + st->options.accept_timeout);
   st->pending.remove(pending);
-  ++st->stats.requests;
+  st->Update([](Listener::Stats& s) { ++s.requests; });
   if (!private_data.ok()) {
     std::string why =
         pending->evicted
@@ -153,6 +166,7 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
     co_return;
   }
   st->ready.push_back(std::move(req));
+  st->Update([](Listener::Stats&) {});
   st->ready_event.Set();
 }
 
@@ -168,8 +182,10 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
       if (in.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
       // Out of fds or memory, a connection aborted before it was taken:
       // transient. Log once per burst, back off, accept again.
-      ++st->stats.accept_errors;
-      st->stats.last_accept_error = std::string(in.status().message());
+      st->Update([&](Listener::Stats& s) {
+        ++s.accept_errors;
+        s.last_accept_error = std::string(in.status().message());
+      });
       uint64_t more = 0;
       if (st->error_log.Allow(&more)) {
         COVERBS_LOG(kError, "cm", "%s: accepting failed: %s; retrying in %s%s",
@@ -197,12 +213,13 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
       std::shared_ptr<PendingHandshake> oldest = st->pending.front();
       st->pending.pop_front();
       oldest->evicted = true;
-      ++st->stats.evicted;
+      st->Update([](Listener::Stats& s) { ++s.evicted; });
       oldest->stop.request_stop();
     }
     auto pending = std::make_shared<PendingHandshake>();
     pending->peer = PeerName(*req);
     st->pending.push_back(pending);
+    st->Update([](Listener::Stats&) {});
     st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
                              pending->stop.get_token());
   }
@@ -277,7 +294,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
     co_return Annotate(spoke, where);
   }
   if (auto l = st.listener.lock()) {
-    ++l->stats.accepted;
+    l->Update([](Listener::Stats& s) { ++s.accepted; });
     COVERBS_LOG(kInfo, "cm", "%s: accepted %s", l->name, (*conn)->name());
   }
   co_return conn;
@@ -291,10 +308,8 @@ Listener::~Listener() { Close(); }
 uint16_t Listener::port() const { return state_->port; }
 const std::string& Listener::address() const { return state_->address; }
 Listener::Stats Listener::stats() const {
-  Stats s = state_->stats;
-  s.pending = state_->pending.size();
-  s.queued = state_->ready.size();
-  return s;
+  std::lock_guard<std::mutex> lock(state_->stats_mu);
+  return state_->stats;
 }
 
 void Listener::Close() {
@@ -308,8 +323,9 @@ void Listener::Close() {
   // Requests nobody will take: each rejects itself ("not accepted").
   st.ready.clear();
   st.ready_event.Set();
+  Stats s = stats();
   COVERBS_LOG(kInfo, "cm", "%s: closed (%d accepted, %d refused)", st.name,
-              st.stats.accepted, st.stats.rejected);
+              s.accepted, s.rejected);
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
@@ -335,6 +351,7 @@ Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
     if (!st->ready.empty()) {
       std::unique_ptr<ConnectRequestState> req = std::move(st->ready.front());
       st->ready.pop_front();
+      st->Update([](Stats&) {});
       if (st->ready.empty() && !st->closed) st->ready_event.Reset();
       co_return std::unique_ptr<ConnectRequest>(
           new ConnectRequest(std::move(req)));

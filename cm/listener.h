@@ -119,6 +119,7 @@ class Listener {
     std::string last_reject_reason;
     std::string last_accept_error;
   };
+  // Callable from any thread.
   Stats stats() const;
 
  private:

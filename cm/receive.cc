@@ -121,6 +121,7 @@ void ConnectionImpl::Consume(RecvSlot* slot) {
 
 void ConnectionImpl::OnData(RecvSlot* slot, const WireHeader& h) {
   ++stats_.messages_received;
+  stats_.bytes_received += h.length;
   Incoming in;
   in.ready = true;
   in.msg.data_ = slot->data + kHeaderSize;

@@ -159,6 +159,7 @@ Task<absl::Status> ConnectionImpl::WriteRendezvous(
   if (!wc.ok()) co_return OpError("send (rendezvous write)", wc.status());
   ++stats_.rendezvous_sent;
   ++stats_.messages_sent;
+  stats_.bytes_sent += total;
   co_return absl::OkStatus();
 }
 
@@ -220,6 +221,8 @@ bool ConnectionImpl::OnRts(const WireHeader& h) {
     return false;
   }
   ++stats_.rendezvous_received;
+  ++stats_.messages_received;
+  stats_.bytes_received += h.length;
   std::vector<std::byte> cts(kCtsSize);
   uint16_t flags = 0;
   // Out of memory or registrations: the sender's Send fails, not the

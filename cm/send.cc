@@ -145,7 +145,10 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   send_turn_.Release(1);
   auto wc = co_await qp_->Send(std::span<const LocalBuffer>(sg, n), so);
   if (!wc.ok()) co_return OpError("send", wc.status());
-  if (type == kData) ++stats_.messages_sent;
+  if (type == kData) {
+    ++stats_.messages_sent;
+    stats_.bytes_sent += total;
+  }
   co_return absl::OkStatus();
 }
 

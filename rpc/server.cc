@@ -102,6 +102,24 @@ absl::Status Server::Register(std::string_view name, Handler handler) {
 Server::Stats Server::stats() const {
   Stats s;
   s.connections = stats_.connections.load();
+  s.open_connections = stats_.open_connections.load();
+  s.failed_calls = stats_.failed_calls.load();
+  s.request_bytes = stats_.request_bytes.load();
+  s.response_bytes = stats_.response_bytes.load();
+  s.credit_stalls = stats_.credit_stalls.load();
+  s.rendezvous = stats_.rendezvous.load();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (listener_ != nullptr) {
+      cm::Listener::Stats ls = listener_->stats();
+      s.rejected_connections = ls.rejected;
+      s.accept_errors = ls.accept_errors;
+      s.pending_handshakes = ls.pending;
+    } else {
+      s.rejected_connections = final_listener_.rejected;
+      s.accept_errors = final_listener_.accept_errors;
+    }
+  }
   s.calls = stats_.calls.load();
   s.cancels_received = stats_.cancels_received.load();
   s.cancelled_calls = stats_.cancelled_calls.load();
@@ -177,6 +195,10 @@ absl::Status Server::Start(std::vector<cm::Context*> contexts,
 }
 
 Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> listener) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    listener_ = listener.get();
+  }
   for (;;) {
     auto req = co_await listener->Next();
     if (!req.ok()) break;  // Cancelled by Shutdown, or the listener failed
@@ -196,6 +218,11 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> listener) {
                          std::move(token));
   }
   listener->Close();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    final_listener_ = listener->stats();
+    listener_ = nullptr;
+  }
   listener.reset();
   ConnGone();  // the accept loop's share of live_
 }
@@ -226,6 +253,7 @@ Task<void> Server::Serve(std::unique_ptr<cm::Connection> conn) {
 
 Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   stats_.connections.fetch_add(1);
+  stats_.open_connections.fetch_add(1);
   cm::Connection& conn = *c->conn;
   cm::Handshake local = conn.local_handshake();
   c->eager_max = local.recv_buffer_size;
@@ -299,6 +327,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       why = admitted;
       break;
     }
+    stats_.request_bytes.fetch_add(f->payload.size());
     Request req;
     req.method = mit->second->name;
     req.method_id = h.method_id;
@@ -329,6 +358,10 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       [](WaitGroup* wg) -> Task<absl::Status> { co_return co_await wg->Wait(); }(
           &c->active));
   (void)co_await Unstoppable(conn.Close());
+  cm::Connection::Stats cs = conn.stats();
+  stats_.credit_stalls.fetch_add(cs.credit_waits);
+  stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);
+  stats_.open_connections.fetch_sub(1);
   (void)why;
 }
 
@@ -369,9 +402,11 @@ Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
       std::span<const std::byte> parts[2] = {hdr, data};
       // Failure means the connection is going down; its receive loop
       // reports that.
-      (void)co_await c->conn->SendV(parts);
+      absl::Status sent = co_await c->conn->SendV(parts);
+      if (sent.ok()) stats_.response_bytes.fetch_add(data.size());
     }
   } else {
+    stats_.failed_calls.fetch_add(1);
     co_await SendError(c, call_id, method_id, result.status());
   }
   c->admission.Release();

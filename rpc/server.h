@@ -112,9 +112,24 @@ class Server {
   // (1 ms) until every connection ended.
   Task<void> ShutdownAsync();
 
+  // Callable from any thread.
   struct Stats {
-    uint64_t connections = 0;
+    uint64_t connections = 0;       // accepted (or given to Serve) in all
+    uint64_t open_connections = 0;  // being served now
+    // Connection requests refused (bad handshake, admit, the peer said
+    // nothing by accept_timeout, no resources) and failed accepts of a
+    // socket (EMFILE...): the listener's counts.
+    uint64_t rejected_connections = 0;
+    uint64_t accept_errors = 0;
+    uint64_t pending_handshakes = 0;  // being read now
     uint64_t calls = 0;            // handlers started
+    uint64_t failed_calls = 0;     // handlers that returned an error
+    uint64_t request_bytes = 0;    // request payloads received
+    uint64_t response_bytes = 0;   // response payloads sent
+    // Of connections that ended: sends that waited for a credit, and
+    // messages that went by rendezvous (either way).
+    uint64_t credit_stalls = 0;
+    uint64_t rendezvous = 0;
     uint64_t cancels_received = 0;
     uint64_t cancelled_calls = 0;  // handlers stopped before responding
     uint64_t unknown_method = 0;
@@ -158,10 +173,14 @@ class Server {
   std::stop_source accept_stop_;  // Shutdown: ends the accept loop
 
   struct AtomicStats {
-    std::atomic<uint64_t> connections{0}, calls{0}, cancels_received{0},
+    std::atomic<uint64_t> connections{0}, open_connections{0}, calls{0},
+        failed_calls{0}, request_bytes{0}, response_bytes{0},
+        credit_stalls{0}, rendezvous{0}, cancels_received{0},
         cancelled_calls{0}, unknown_method{0}, protocol_errors{0},
         copied_requests{0};
   };
+  cm::Listener* listener_ = nullptr;  // under mu_; the accept loop's
+  cm::Listener::Stats final_listener_;  // under mu_; once it is gone
   AtomicStats stats_;
 };
 
