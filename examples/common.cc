@@ -83,7 +83,7 @@ absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
 
 absl::StatusOr<std::unique_ptr<ContextPool>> ContextPool::Create(
     transport::Device& device, size_t threads, PollMode poll_mode,
-    transport::ProtectionDomain* pd) {
+    transport::ProtectionDomain* pd, const cm::ContextOptions& options) {
   ReactorOptions ro;
   ro.poll_mode = poll_mode;
   auto pool = ReactorPool::Create(threads, ro);
@@ -94,9 +94,9 @@ absl::StatusOr<std::unique_ptr<ContextPool>> ContextPool::Create(
     std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
     auto f = p.get_future();
     ReactorPool* rp = cp->pool_.get();
-    rp->Post(i, [&p, &device, rp, i, pd]() {
-      cm::ContextOptions o;
-      o.pd = pd;
+    rp->Post(i, [&p, &device, rp, i, pd, &options]() {
+      cm::ContextOptions o = options;
+      if (pd != nullptr) o.pd = pd;
       p.set_value(cm::Context::Create(rp->reactor(i), device, o));
     });
     auto ctx = f.get();
@@ -137,11 +137,13 @@ sigset_t TerminationSet() {
 
 void BlockTerminationSignals() {
   sigset_t set = TerminationSet();
+  sigaddset(&set, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
-int WaitForSignal(absl::Duration limit) {
+int WaitForSignal(absl::Duration limit, bool stats_signal) {
   sigset_t set = TerminationSet();
+  if (stats_signal) sigaddset(&set, SIGUSR1);
   const absl::Time end = limit == absl::InfiniteDuration()
                              ? absl::InfiniteFuture()
                              : absl::Now() + limit;

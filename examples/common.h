@@ -40,9 +40,11 @@ class ContextPool {
  public:
   // `pd`, if given, is shared by every context (so one MemoryRegion serves
   // the connections of all reactors); it must outlive the pool.
+  // `options` apply to every context (its pd is replaced by `pd` if set).
   static absl::StatusOr<std::unique_ptr<ContextPool>> Create(
       transport::Device& device, size_t threads, PollMode poll_mode,
-      transport::ProtectionDomain* pd = nullptr);
+      transport::ProtectionDomain* pd = nullptr,
+      const cm::ContextOptions& options = {});
   // Destroys the contexts on their threads, then stops the reactors. Every
   // connection on them must be gone (Server::Shutdown) first.
   ~ContextPool();
@@ -56,13 +58,13 @@ class ContextPool {
   std::vector<std::unique_ptr<cm::Context>> contexts_;
 };
 
-// Blocks SIGINT and SIGTERM in the calling thread and in every thread it
-// creates afterwards, so that WaitForSignal can take them synchronously.
-// Call first thing in main().
+// Blocks SIGINT, SIGTERM and SIGUSR1 in the calling thread and in every
+// thread it creates afterwards, so that WaitForSignal can take them
+// synchronously. Call first thing in main().
 void BlockTerminationSignals();
-// Waits for SIGINT/SIGTERM for at most `limit`; returns the signal number,
-// or 0 when the time ran out.
-int WaitForSignal(absl::Duration limit);
+// Waits for SIGINT/SIGTERM (and SIGUSR1 if `stats_signal`) for at most
+// `limit`; returns the signal number, or 0 when the time ran out.
+int WaitForSignal(absl::Duration limit, bool stats_signal = false);
 
 // The p-quantile (0..1) of `sorted` (nearest rank); 0 when empty.
 int64_t Percentile(const std::vector<int64_t>& sorted, double p);

@@ -6,6 +6,7 @@
 //
 // Runs until SIGINT/SIGTERM (or --run_for), then shuts down gracefully and
 // prints what it served. See examples/README.md.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -48,9 +49,45 @@ ABSL_FLAG(int, max_concurrent_calls, 128,
           "queue and then hold the client back through credits.");
 ABSL_FLAG(absl::Duration, run_for, absl::InfiniteDuration(),
           "Exit after this long (e.g. 30s); default: until SIGINT/SIGTERM.");
+ABSL_FLAG(absl::Duration, accept_timeout, absl::Seconds(5),
+          "A connecting peer must finish its handshake, including its first "
+          "message on the connection, within this long, or it is dropped.");
+ABSL_FLAG(int, max_pending_handshakes, 1024,
+          "Handshakes read at once; beyond it the oldest is dropped (silent "
+          "peers cannot lock others out).");
+ABSL_FLAG(int, srq_depth, 0,
+          "Receive through one shared receive queue per reactor of this many "
+          "8 KiB buffers instead of a ring per connection (less memory per "
+          "idle connection; each connection starts with 4 receives promised "
+          "plus 6 reserve, so this bounds connections per reactor to about "
+          "srq_depth / 10). The SRQ's CQ must hold it: --cq_entries. 0: "
+          "rings (64 receives per connection).");
+ABSL_FLAG(int, cq_entries, 0,
+          "Entries per completion queue (0: the device's, at most 4096). A "
+          "connection reserves 144 with the defaults; a reactor adds CQs as "
+          "they fill, up to 64 (1,792 connections per reactor).");
+ABSL_FLAG(absl::Duration, stats_interval, absl::ZeroDuration(),
+          "Print the server's counters this often (0: never). SIGUSR1 prints "
+          "them at any time.");
 
 namespace coverbs::examples {
 namespace {
+
+void PrintStats(const rpc::Server& server) {
+  rpc::Server::Stats st = server.stats();
+  auto u = [](uint64_t v) { return static_cast<unsigned long long>(v); };
+  std::printf("echo_server: served %llu call(s) on %llu connection(s) (%llu open, "
+              "%llu refused, %llu handshake(s) pending, %llu accept error(s)); "
+              "%llu failed, %llu cancelled, %llu unknown method, %llu protocol "
+              "error(s); %llu request / %llu response bytes; %llu rendezvous, "
+              "%llu credit stall(s) on closed connections\n",
+              u(st.calls), u(st.connections), u(st.open_connections),
+              u(st.rejected_connections), u(st.pending_handshakes),
+              u(st.accept_errors), u(st.failed_calls), u(st.cancelled_calls),
+              u(st.unknown_method), u(st.protocol_errors), u(st.request_bytes),
+              u(st.response_bytes), u(st.rendezvous), u(st.credit_stalls));
+  std::fflush(stdout);
+}
 
 int Run() {
   if (!CheckAddressFlag("echo_server", "address", absl::GetFlag(FLAGS_address))) return 2;
@@ -69,7 +106,18 @@ int Run() {
                  device.status().ToString().c_str());
     return 1;
   }
-  auto contexts = ContextPool::Create(**device, absl::GetFlag(FLAGS_threads), *poll);
+  if (absl::GetFlag(FLAGS_srq_depth) < 0 || absl::GetFlag(FLAGS_cq_entries) < 0 ||
+      absl::GetFlag(FLAGS_max_pending_handshakes) < 1) {
+    std::fprintf(stderr,
+                 "echo_server: --srq_depth and --cq_entries must be >= 0, "
+                 "--max_pending_handshakes >= 1\n");
+    return 2;
+  }
+  cm::ContextOptions ctx_options;
+  ctx_options.srq_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_depth));
+  ctx_options.cq_entries = absl::GetFlag(FLAGS_cq_entries);
+  auto contexts = ContextPool::Create(**device, absl::GetFlag(FLAGS_threads), *poll,
+                                      nullptr, ctx_options);
   if (!contexts.ok()) {
     std::fprintf(stderr, "echo_server: %s\n", contexts.status().ToString().c_str());
     return 1;
@@ -77,6 +125,10 @@ int Run() {
 
   rpc::ServerOptions options;
   options.max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
+  options.listener.accept_timeout = absl::GetFlag(FLAGS_accept_timeout);
+  options.listener.max_pending_handshakes =
+      static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
+  options.listener.connection.use_srq = ctx_options.srq_depth > 0;
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(
       "Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {
@@ -109,18 +161,33 @@ int Run() {
     }
   }
 
-  int sig = WaitForSignal(absl::GetFlag(FLAGS_run_for));
+  const absl::Duration run_for = absl::GetFlag(FLAGS_run_for);
+  const absl::Duration interval = absl::GetFlag(FLAGS_stats_interval);
+  const absl::Time end =
+      run_for == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + run_for;
+  absl::Time next_stats =
+      interval > absl::ZeroDuration() ? absl::Now() + interval : absl::InfiniteFuture();
+  int sig = 0;
+  for (;;) {
+    absl::Time wake = std::min(end, next_stats);
+    sig = WaitForSignal(wake == absl::InfiniteFuture() ? absl::InfiniteDuration()
+                                                       : wake - absl::Now(),
+                        /*stats_signal=*/true);
+    if (sig == SIGUSR1) {
+      PrintStats(*server);
+      continue;
+    }
+    if (sig != 0) break;
+    if (absl::Now() >= end) break;
+    if (absl::Now() >= next_stats) {
+      PrintStats(*server);
+      next_stats += interval;
+    }
+  }
   std::printf("echo_server: %s, shutting down\n",
               sig == 0 ? "--run_for elapsed" : (sig == SIGINT ? "SIGINT" : "SIGTERM"));
   server->Shutdown();
-  rpc::Server::Stats st = server->stats();
-  std::printf("echo_server: served %llu call(s) on %llu connection(s); %llu "
-              "cancelled, %llu unknown method, %llu protocol error(s)\n",
-              static_cast<unsigned long long>(st.calls),
-              static_cast<unsigned long long>(st.connections),
-              static_cast<unsigned long long>(st.cancelled_calls),
-              static_cast<unsigned long long>(st.unknown_method),
-              static_cast<unsigned long long>(st.protocol_errors));
+  PrintStats(*server);
   server.reset();
   contexts->reset();
   return 0;

@@ -1,0 +1,112 @@
+#!/bin/bash
+# The echo server against hostile clients (soft provider, loopback): for each
+# case a real hostile_client process does the bad thing, bounded in count and
+# time, while this script asserts that
+#   - the server stays up,
+#   - a good echo_client is served meanwhile, within a bound,
+#   - afterwards the server is back to its baseline descriptors and memory,
+#   - the server's counters (SIGUSR1) and log account for the refusals.
+#   hostile_test.sh <echo_server> <echo_client> <hostile_client>
+set -u
+server_bin=$1 client_bin=$2 hostile_bin=$3
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+log="$tmp/server.log"
+fail() {
+  echo "FAIL: $*"
+  echo "--- server log (last 30 lines)"; tail -30 "$log"
+  exit 1
+}
+
+# A short accept deadline so that silent peers are dropped within the test.
+"$server_bin" --provider=soft --address=127.0.0.1 --port=0 --threads=2 \
+  --port_file="$tmp/port" --accept_timeout=1s >"$log" 2>&1 &
+server=$!
+trap 'kill -9 $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
+[[ -s "$tmp/port" ]] || fail "server did not start"
+port=$(cat "$tmp/port")
+
+fds() { ls "/proc/$server/fd" | wc -l; }
+rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$server/status"; }
+alive() { kill -0 "$server" 2>/dev/null || fail "server died ($1)"; }
+
+# A good client: 200 echo calls, verified, on 2 connections; must finish in
+# $1 seconds (connecting included).
+good_client() {
+  local limit=$1 what=$2 start end
+  start=$(date +%s%N)
+  timeout 20 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
+    --calls=200 --concurrency=8 --connections=2 --size=64 \
+    >"$tmp/client.out" 2>&1 || { cat "$tmp/client.out"; fail "good client failed ($what)"; }
+  end=$(date +%s%N)
+  local ms=$(((end - start) / 1000000))
+  ((ms < limit * 1000)) || fail "good client took ${ms} ms, bound ${limit} s ($what)"
+  echo "  good client served in ${ms} ms ($what)"
+}
+
+# Back to the baseline: descriptors exactly (within 10 s: silent peers go at
+# the 1 s deadline), memory within 16 MiB.
+back_to_baseline() {
+  local what=$1 n
+  for _ in $(seq 200); do
+    n=$(fds)
+    ((n <= base_fds)) && break
+    sleep 0.05
+  done
+  ((n <= base_fds)) || fail "$n descriptors after $what, baseline $base_fds"
+  local rss
+  rss=$(rss_kb)
+  ((rss <= base_rss + 16384)) || fail "RSS ${rss} KiB after $what, baseline ${base_rss} KiB"
+  echo "  back to baseline: $n fds, ${rss} KiB RSS"
+}
+
+good_client 5 "warm-up"
+base_fds=$(fds)
+base_rss=$(rss_kb)
+echo "baseline: $base_fds fds, $base_rss KiB RSS"
+
+# case <mode> <count> <hold_ms>: the hostile client runs in the background
+# while a good client is served; then both are done and the server is back.
+run_case() {
+  local mode=$1 count=$2 hold=$3
+  echo "case $mode (count $count, hold ${hold} ms)"
+  timeout 60 "$hostile_bin" --mode="$mode" --address=127.0.0.1 --port="$port" \
+    --count="$count" --hold_ms="$hold" >"$tmp/hostile.out" 2>&1 &
+  local h=$!
+  sleep 0.3  # let it open its sockets
+  alive "$mode"
+  good_client 2 "during $mode"
+  wait $h || { cat "$tmp/hostile.out"; fail "hostile_client $mode exited $?"; }
+  sed 's/^/  hostile: /' "$tmp/hostile.out" | head -5
+  alive "$mode"
+  back_to_baseline "$mode"
+  good_client 2 "after $mode"
+}
+
+run_case garbage 200 1500
+run_case truncated 200 1500
+run_case absurd 50 500
+run_case slow 20 1500
+run_case silent 400 2000
+run_case accepted_silent 100 2000
+run_case flood 1000 0
+
+# The counters account for it: SIGUSR1 prints them.
+kill -USR1 "$server"
+for _ in $(seq 50); do grep -q "refused" "$log" && break; sleep 0.05; done
+line=$(grep "served .* call(s) on" "$log" | tail -1)
+[[ -n "$line" ]] || fail "no counters printed on SIGUSR1"
+echo "counters: $line"
+refused=$(sed -E 's/.*\(([0-9]+) open, ([0-9]+) refused.*/\2/' <<<"$line")
+((refused >= 1000)) || fail "the server counted $refused refused connections, expected >= 1000"
+# And the log has the refusals and the accepted-then-silent drops.
+grep -q "refused .*sent nothing after the connection was established" "$log" ||
+  fail "no log line for an accepted-then-silent peer"
+grep -q "accepted conn" "$log" || fail "no log line for an accepted connection"
+
+kill -TERM "$server"
+wait "$server"
+rc=$?
+trap - EXIT
+((rc == 0)) || fail "server exited $rc on SIGTERM"
+echo "PASS"
