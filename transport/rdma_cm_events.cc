@@ -166,13 +166,16 @@ void CmId::Deliver(CmEvent ev) {
         bool was_down = down_;
         down_ = true;
         down_event_.Set();
-        if (!was_down && !local_disconnect_ && on_down_) {
-          absl::Status why =
+        if (!was_down) {
+          down_why_ =
               ev.type == RDMA_CM_EVENT_DEVICE_REMOVAL
                   ? absl::AbortedError("connection lost: RDMA device removed")
                   : absl::UnavailableError(absl::StrCat(
                         "connection lost: ", rdma_event_str(ev.type),
                         " from the rdma_cm"));
+        }
+        if (!was_down && !local_disconnect_ && on_down_) {
+          absl::Status why = down_why_;
           auto fn = std::move(on_down_);
           on_down_ = nullptr;
           fn(std::move(why));
@@ -253,6 +256,15 @@ Task<absl::Status> CmId::WaitDown(absl::Duration timeout) {
 }
 
 void CmId::OnDown(std::function<void(absl::Status)> fn) {
+  if (down_ && !local_disconnect_) {
+    // Down before anyone listened: a DISCONNECTED that came right after
+    // ESTABLISHED, queued until SetEstablished replayed it. Tell now (from
+    // the reactor, not inside the caller's set-up). Before, such a
+    // connection was never told and outlived its peer (seen on rxe).
+    channel_->reactor().Post(
+        [fn = std::move(fn), why = down_why_]() mutable { fn(why); });
+    return;
+  }
   on_down_ = std::move(fn);
 }
 

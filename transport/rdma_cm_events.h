@@ -111,6 +111,7 @@ class CmId : public std::enable_shared_from_this<CmId> {
   bool destroy_in_background_ = false;
   bool down_ = false;
   Event down_event_;
+  absl::Status down_why_;  // once down_
   std::function<void(absl::Status)> on_down_;
   std::string describe_;
 };
