@@ -72,6 +72,16 @@ struct ConnectionOptions {
   uint32_t srq_initial_credits = 4;
   // Bound on Close()'s drain and disconnect.
   absl::Duration close_timeout = absl::Seconds(5);
+  // Keepalive (zero: off). A connection that received nothing for this long
+  // sends a probe -- a credit message, into the peer's reserve receives, so
+  // it needs no credit -- which the peer answers at once; after
+  // keepalive_probes probes in a row went unanswered the connection fails
+  // with DeadlineExceeded. It catches a peer that froze, hung or lost its
+  // host on every provider, also where the transport cannot (a stopped
+  // process's kernel or NIC still acknowledges RC traffic). Each side
+  // decides for itself; a peer answers probes either way.
+  absl::Duration keepalive_interval = absl::ZeroDuration();
+  int keepalive_probes = 3;
   // QP tuning passed through (depths above are applied on top).
   transport::QpOptions qp;
 };

@@ -198,6 +198,9 @@ absl::Status ConnectionImpl::Start(
     may_send_.Set();
   }
   if (active_) SpawnInternal(SendControl(kHello, 0, 0, {}));
+  if (options_.keepalive_interval > absl::ZeroDuration()) {
+    SpawnInternal(KeepaliveLoop());
+  }
   return absl::OkStatus();
 }
 
@@ -249,6 +252,7 @@ void ConnectionImpl::Fail(absl::Status why) {
   // Wake every waiter; they see status_.
   may_send_.Set();
   peer_spoke_.Set();
+  keepalive_wake_.Set();
   credits_.Release(1 << 24);
   ready_count_.Release(1 << 24);
   rts_window_.Release(1 << 24);

@@ -88,6 +88,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // `deadline`: DeadlineExceeded if it said nothing, the connection's error
   // if it failed meanwhile.
   Task<absl::Status> WaitPeerSpoke(absl::Time deadline);
+  // Keepalive (keepalive.cc): the probe loop, and one credit message with
+  // `flags` (kFlagPing for a probe, 0 for the answer).
+  Task<void> KeepaliveLoop();
+  Task<void> SendKeepalive(uint8_t flags);
 
   absl::Status status() const { return status_; }
   const PeerInfo& peer() const { return peer_; }
@@ -235,7 +239,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Event may_send_{false};
   // Set by the first message from the peer (or by a failure): the passive
   // side's accept waits for it (WaitPeerSpoke).
-  Event peer_spoke_{false};  // iWARP passive side: set once the peer spoke
+  Event peer_spoke_{false};
+  // Keepalive: completions received so far, and the loop's wake-up (set
+  // when the connection goes down).
+  uint64_t rx_count_ = 0;
+  Event keepalive_wake_{false};  // iWARP passive side: set once the peer spoke
   std::deque<PendingRts*> pending_rts_;
   uint32_t next_cookie_ = 1;
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up

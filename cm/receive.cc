@@ -27,6 +27,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
   if (!status_.ok()) return;
   if (!may_send_.is_set()) may_send_.Set();
   if (!peer_spoke_.is_set()) peer_spoke_.Set();
+  ++rx_count_;
   // WRITE_WITH_IMM: the end of a rendezvous; no header travelled.
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
     OnRendezvousImm(slot, wc);
@@ -43,6 +44,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       // Not a credit-bearing receive: repost without counting it.
       ++credit_msgs_seen_;
       Repost(slot);
+      if (h.flags & kFlagPing) SpawnInternal(SendKeepalive(0));
       break;
     case kHello:
       Consume(slot);

@@ -28,6 +28,9 @@ inline constexpr uint8_t kFlagAborted = 2;  // kDone: the sender gave up
 // version 3). A receiver lending credits from a shared receive queue grows
 // that sender's window; one without an SRQ ignores it.
 inline constexpr uint8_t kFlagCreditLow = 4;
+// kCredit: a keepalive probe (ConnectionOptions::keepalive_interval); the
+// receiver answers with a kCredit at once (protocol version 4).
+inline constexpr uint8_t kFlagPing = 8;
 
 struct WireHeader {
   uint8_t type;
@@ -95,7 +98,7 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
             payload));
       }
   }
-  if (h.flags & ~(kFlagRefused | kFlagAborted | kFlagCreditLow)) {
+  if (h.flags & ~(kFlagRefused | kFlagAborted | kFlagCreditLow | kFlagPing)) {
     return absl::DataLossError(absl::StrFormat("unknown flags 0x%x", h.flags));
   }
   return absl::OkStatus();

@@ -66,6 +66,10 @@ ABSL_FLAG(int, cq_entries, 0,
           "Entries per completion queue (0: the device's, at most 4096). A "
           "connection reserves 144 with the defaults; a reactor adds CQs as "
           "they fill, up to 64 (1,792 connections per reactor).");
+ABSL_FLAG(absl::Duration, keepalive, absl::ZeroDuration(),
+          "Probe a connection whose peer said nothing for this long (0: "
+          "off); after 3 unanswered probes the connection is closed (a "
+          "frozen or vanished client).");
 ABSL_FLAG(absl::Duration, stats_interval, absl::ZeroDuration(),
           "Print the server's counters this often (0: never). SIGUSR1 prints "
           "them at any time.");
@@ -129,6 +133,7 @@ int Run() {
   options.listener.max_pending_handshakes =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
   options.listener.connection.use_srq = ctx_options.srq_depth > 0;
+  options.listener.connection.keepalive_interval = absl::GetFlag(FLAGS_keepalive);
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(
       "Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {

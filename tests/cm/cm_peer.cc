@@ -1,7 +1,8 @@
-// A peer process for cm_test's "peer killed mid-rendezvous" case:
-//   cm_peer <provider> <address> <port>
+// A peer process for cm_test's cases with a peer that dies or freezes:
+//   cm_peer <provider> <address> <port> [idle]
 // Connects, sends "ready", then starts a 64 MiB message and waits to be
-// killed while the rendezvous is in flight.
+// killed while the rendezvous is in flight; with "idle", sends nothing more
+// and waits (to be stopped with SIGSTOP, then killed).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -16,7 +17,7 @@
 namespace {
 
 coverbs::Task<int> Main(coverbs::cm::Context* ctx, std::string addr,
-                        uint16_t port) {
+                        uint16_t port, bool idle) {
   auto c = co_await coverbs::cm::Connect(*ctx, addr, port);
   if (!c.ok()) {
     std::fprintf(stderr, "cm_peer: %s\n", c.status().ToString().c_str());
@@ -25,6 +26,10 @@ coverbs::Task<int> Main(coverbs::cm::Context* ctx, std::string addr,
   std::string ready = "ready";
   auto s = co_await (*c)->Send(std::as_bytes(std::span(ready.data(), 5)));
   if (!s.ok()) co_return 2;
+  if (idle) {
+    co_await coverbs::Reactor::Current()->Sleep(absl::Seconds(60));
+    co_return 0;
+  }
   std::vector<std::byte> big(64 << 20, std::byte{0x42});
   s = co_await (*c)->Send(big);
   // Normally killed before getting here.
@@ -35,8 +40,8 @@ coverbs::Task<int> Main(coverbs::cm::Context* ctx, std::string addr,
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: cm_peer <provider> <address> <port>\n");
+  if (argc != 4 && !(argc == 5 && std::string(argv[4]) == "idle")) {
+    std::fprintf(stderr, "usage: cm_peer <provider> <address> <port> [idle]\n");
     return 2;
   }
   auto r = coverbs::Reactor::Create();
@@ -48,5 +53,6 @@ int main(int argc, char** argv) {
   auto ctx = coverbs::cm::Context::Create(**r, **d);
   if (!ctx.ok()) return 5;
   return (*r)->BlockOn(
-      Main(ctx->get(), argv[2], static_cast<uint16_t>(std::atoi(argv[3]))));
+      Main(ctx->get(), argv[2], static_cast<uint16_t>(std::atoi(argv[3])),
+           argc == 5));
 }

@@ -958,6 +958,60 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
   }(this, path));
 }
 
+TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
+  const char* helper = std::getenv("COVERBS_CM_PEER");
+  std::string path = helper ? helper : "tests/cm/cm_peer";
+  if (access(path.c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "peer helper binary not found at " << path;
+  }
+  Run([](CmTest* t, std::string path) -> Task<void> {
+    ListenerOptions lo;
+    lo.connection.keepalive_interval = absl::Milliseconds(100);
+    lo.connection.keepalive_probes = 3;
+    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
+    CO_ASSERT_OK(ln);
+    std::string port = std::to_string((*ln)->port());
+    std::string provider = t->GetParam();
+    std::string idle = "idle";
+    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
+                    idle.data(), nullptr};
+    pid_t pid = -1;
+    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
+      ADD_FAILURE() << "posix_spawn " << path;
+      co_return;
+    }
+    auto c = co_await (*ln)->Accept();
+    if (!c.ok()) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      ADD_FAILURE() << c.status();
+      co_return;
+    }
+    auto first = co_await (*c)->Recv();
+    EXPECT_TRUE(first.ok()) << first.status();  // its "ready"
+    // Idle but alive: it answers the probes, for many intervals.
+    co_await t->reactor_->Sleep(absl::Milliseconds(800));
+    EXPECT_TRUE((*c)->status().ok()) << (*c)->status();
+    EXPECT_GE((*c)->stats().credit_messages_sent, 3u);
+    // Frozen: its kernel (soft: TCP; rxe/siw: the RNIC) still acknowledges,
+    // the process answers nothing.
+    kill(pid, SIGSTOP);
+    absl::Time start = absl::Now();
+    auto m = co_await (*c)->Recv();
+    absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << m.status();
+    EXPECT_NE(m.status().message().find("keepalive"), std::string_view::npos)
+        << m.status();
+    // 3 probes 100 ms apart after 100 ms of silence, then the verdict;
+    // generous for emulation.
+    EXPECT_LT(took, absl::Seconds(10));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    co_await (*c)->Close();
+  }(this, path));
+}
+
 // --- Shared receive queue (ConnectionOptions::use_srq).
 
 TEST_P(CmTest, SrqBothSidesMessagesOfEverySizeAndAMessageOutlivesIt) {
