@@ -41,6 +41,10 @@ ABSL_FLAG(int, concurrency, 32,
           "Calls in flight at once, over all connections (pipelining).");
 ABSL_FLAG(int, connections, 1,
           "Connections to open; the in-flight calls are spread over them.");
+ABSL_FLAG(absl::Duration, hold, absl::ZeroDuration(),
+          "Keep the connections open (idle) this long after the calls, "
+          "e.g. to measure the server's memory per connection; prints a "
+          "line when the hold starts.");
 ABSL_FLAG(bool, verify, true,
           "Check every byte of every response against the request.");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(30),
@@ -146,6 +150,13 @@ Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
     status = co_await run.done.Wait();
     elapsed->push_back(absl::Now() - start);
     if (!status.ok()) break;
+  }
+  if (status.ok() && absl::GetFlag(FLAGS_hold) > absl::ZeroDuration()) {
+    std::printf("echo_client: holding %zu idle connection(s) for %s\n", clients.size(),
+                absl::FormatDuration(absl::GetFlag(FLAGS_hold)).c_str());
+    std::fflush(stdout);
+    auto sleep = Reactor::Current()->Sleep(absl::GetFlag(FLAGS_hold));
+    (void)co_await sleep;
   }
   for (auto& c : clients) {
     absl::Status s = co_await c->Close();

@@ -274,8 +274,10 @@ void QpCore::Connect(int fd) {
     return;
   }
   fd_ = fd;
-  rbuf_ = std::make_unique<char[]>(kRbufSize);
-  arena_ = std::make_unique<char[]>(kArenaSize);
+  // Not zero-filled (make_unique would touch every page): an idle
+  // connection keeps only what it has used resident.
+  rbuf_ = std::make_unique_for_overwrite<char[]>(kRbufSize);
+  arena_ = std::make_unique_for_overwrite<char[]>(kArenaSize);
   segs_.resize(kMaxSegs);
   engine_->WatchIn(this);
   engine_->Activate(this);
