@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/context_shared.h"
@@ -220,8 +221,23 @@ absl::Status ConnectionImpl::CheckUp(const char* what) const {
   return absl::OkStatus();
 }
 
-absl::Status ConnectionImpl::OpError(const char* op,
-                                     const absl::Status& s) const {
+absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
+  // A flushed operation, or one failed because the QP was already in error,
+  // tells nothing new; anything else is this operation's own failure.
+  const bool consequence =
+      absl::StrContains(s.message(), "WR_FLUSH_ERR") ||
+      absl::StrContains(s.message(), "error state") ||
+      absl::StrContains(s.message(), "was destroyed");
+  if (!s.ok() && !consequence) {
+    if (status_is_flush_) {
+      status_ = absl::Status(
+          s.code(), absl::StrCat("connection lost: ", op, " failed: ",
+                                 s.message()));
+      status_is_flush_ = false;
+    }
+    return absl::Status(s.code(),
+                        absl::StrCat(op, " on ", name_, ": ", s.message()));
+  }
   if (!status_.ok()) {
     return absl::Status(status_.code(), absl::StrCat(op, " on ", name_, ": ",
                                                      status_.message()));

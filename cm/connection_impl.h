@@ -191,7 +191,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status InitSrq();
   absl::Status InitAtomics();  // the 8-byte result buffers for atomics
   void Protocol(absl::string_view what);
-  absl::Status OpError(const char* op, const absl::Status& s) const;
+  // An operation's failure as its caller sees it: its own error when that
+  // is the root cause (RETRY_EXC_ERR, a remote access error...), which then
+  // also becomes the connection's status if that only said "flushed";
+  // else the connection's status.
+  absl::Status OpError(const char* op, const absl::Status& s);
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
   absl::StatusOr<transport::BufferPool*> SendPool();
 
@@ -240,6 +244,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Set by the first message from the peer (or by a failure): the passive
   // side's accept waits for it (WaitPeerSpoke).
   Event peer_spoke_{false};
+  // status_ only says that a receive was flushed: the QP went to error for
+  // a reason an operation's own completion may still tell (OpError).
+  bool status_is_flush_ = false;
   // Keepalive: completions received so far, and the loop's wake-up (set
   // when the connection goes down).
   uint64_t rx_count_ = 0;

@@ -82,6 +82,7 @@ void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
   Fail(absl::UnavailableError(
       absl::StrCat("connection lost: receive completed with ",
                    transport::WcStatusName(wc.status))));
+  status_is_flush_ = wc.status == IBV_WC_WR_FLUSH_ERR;
 }
 
 bool ConnectionImpl::TakeHeader(RecvSlot* slot, const ibv_wc& wc,

@@ -993,19 +993,73 @@ TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
     co_await t->reactor_->Sleep(absl::Milliseconds(800));
     EXPECT_TRUE((*c)->status().ok()) << (*c)->status();
     EXPECT_GE((*c)->stats().credit_messages_sent, 3u);
-    // Frozen: its kernel (soft: TCP; rxe/siw: the RNIC) still acknowledges,
-    // the process answers nothing.
+    // Frozen: its kernel (rxe/siw: the RNIC) still acknowledges, the
+    // process answers nothing. rxe/siw: the unanswered probes fail it
+    // (DeadlineExceeded); soft: the first probe's send already fails at the
+    // soft RC transport timer (Unavailable, naming the keepalive message).
     kill(pid, SIGSTOP);
     absl::Time start = absl::Now();
     auto m = co_await (*c)->Recv();
     absl::Duration took = absl::Now() - start;
-    EXPECT_EQ(m.status().code(), absl::StatusCode::kDeadlineExceeded)
+    EXPECT_TRUE(m.status().code() == absl::StatusCode::kDeadlineExceeded ||
+                m.status().code() == absl::StatusCode::kUnavailable)
         << m.status();
     EXPECT_NE(m.status().message().find("keepalive"), std::string_view::npos)
         << m.status();
     // 3 probes 100 ms apart after 100 ms of silence, then the verdict;
     // generous for emulation.
     EXPECT_LT(took, absl::Seconds(10));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    co_await (*c)->Close();
+  }(this, path));
+}
+
+TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
+  if (GetParam() != "soft") {
+    GTEST_SKIP() << "on rxe/siw the kernel acknowledges for a stopped "
+                    "process: the transport never times out (keepalive "
+                    "covers it, KeepaliveDetectsAFrozenPeer)";
+  }
+  const char* helper = std::getenv("COVERBS_CM_PEER");
+  std::string path = helper ? helper : "tests/cm/cm_peer";
+  if (access(path.c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "peer helper binary not found at " << path;
+  }
+  Run([](CmTest* t, std::string path) -> Task<void> {
+    ListenerOptions lo;
+    lo.connection.qp.timeout = 14;   // 67 ms per attempt
+    lo.connection.qp.retry_cnt = 2;  // 3 attempts: ~200 ms
+    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
+    CO_ASSERT_OK(ln);
+    std::string port = std::to_string((*ln)->port());
+    std::string provider = t->GetParam();
+    std::string idle = "idle";
+    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
+                    idle.data(), nullptr};
+    pid_t pid = -1;
+    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
+      ADD_FAILURE() << "posix_spawn " << path;
+      co_return;
+    }
+    auto c = co_await (*ln)->Accept();
+    if (!c.ok()) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      ADD_FAILURE() << c.status();
+      co_return;
+    }
+    auto first = co_await (*c)->Recv();
+    EXPECT_TRUE(first.ok()) << first.status();
+    kill(pid, SIGSTOP);
+    absl::Time start = absl::Now();
+    auto msg = Pattern(100, 1);
+    absl::Status s = co_await (*c)->Send(msg);
+    absl::Duration took = absl::Now() - start;
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("RETRY_EXC_ERR"), std::string_view::npos) << s;
+    EXPECT_GE(took, absl::Milliseconds(150));
+    EXPECT_LT(took, absl::Seconds(5));
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
     co_await (*c)->Close();

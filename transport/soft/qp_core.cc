@@ -313,8 +313,48 @@ void QpCore::Service() {
   DoTx();
 }
 
+std::chrono::nanoseconds QpCore::AckTimeout() const {
+  // IB: 4.096 us x 2^timeout per attempt, retry_cnt retries; 0 = infinite.
+  uint8_t t = cfg_.init.timeout;
+  if (t == 0) return std::chrono::nanoseconds(0);
+  int64_t attempt = int64_t{4096} << std::min<uint8_t>(t, 31);
+  return std::chrono::nanoseconds(attempt * (cfg_.init.retry_cnt + 1));
+}
+
+void QpCore::NoteProgress() {
+  progress_at_ = std::chrono::steady_clock::now();
+  ArmAckTimer();
+}
+
+void QpCore::ArmAckTimer() {
+  if (err_ || removed_ || ack_timer_armed_ || comp_ptr_ >= send_ptr_) return;
+  auto t = AckTimeout();
+  if (t.count() == 0) return;
+  ack_timer_armed_ = true;
+  ack_due_ = progress_at_ + t;
+  engine_->AddTimer(this, ack_due_);
+}
+
 void QpCore::OnTimer(SteadyTime now) {
   if (removed_) return;
+  if (ack_timer_armed_ && now >= ack_due_) {
+    ack_timer_armed_ = false;
+    if (!err_ && comp_ptr_ < send_ptr_) {
+      if (now >= progress_at_ + AckTimeout()) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+            now - progress_at_);
+        CompleteWqe(comp_ptr_, IBV_WC_RETRY_EXC_ERR);
+        EnterError(Cause::kFault,
+                   absl::StrFormat(
+                       "transport retry counter exceeded: nothing from the "
+                       "peer for %d ms with requests outstanding (timeout "
+                       "%u, retry_cnt %u)",
+                       ms.count(), cfg_.init.timeout, cfg_.init.retry_cnt));
+        return;
+      }
+      ArmAckTimer();  // progress since: wait from the latest
+    }
+  }
   if (rnr_wait_ && now >= rnr_until_) {
     rnr_wait_ = false;
     engine_->Activate(this);
@@ -351,7 +391,10 @@ void QpCore::Destroy() {
 // Progress thread: receive
 
 bool QpCore::RecvResult(ssize_t n) {
-  if (n > 0) return true;
+  if (n > 0) {
+    NoteProgress();
+    return true;
+  }
   if (n == 0) {
     if (err_) {
       CloseNow();
@@ -1157,7 +1200,10 @@ bool QpCore::Build() {
       }
     }
     if (IsRdAtomic(w)) ++rd_atomic_out_;
+    // The first outstanding request starts the transport timer.
+    if (comp_ptr_ == send_ptr_) progress_at_ = std::chrono::steady_clock::now();
     ++send_ptr_;
+    ArmAckTimer();
   }
   return nsegs_ > 0;
 }
@@ -1216,6 +1262,7 @@ bool QpCore::SendPending(size_t* budget) {
     return false;
   }
   size_t left = static_cast<size_t>(sent);
+  if (left > 0) NoteProgress();
   *budget -= left;
   while (left > 0 && seg_idx_ < nsegs_) {
     size_t in_seg = segs_[seg_idx_].len - seg_off_;

@@ -258,6 +258,17 @@ class QpCore {
   uint32_t rd_atomic_out_ = 0;
   bool rnr_wait_ = false;
   SteadyTime rnr_until_{};
+  // RC's transport timer (QpInit timeout, retry_cnt): while requests are
+  // outstanding and nothing moves -- no byte accepted by the socket, none
+  // received from the peer -- for AckTimeout(), the oldest request fails
+  // with IBV_WC_RETRY_EXC_ERR and the QP goes to error. TCP retransmits;
+  // what this catches is a peer whose process froze or hung.
+  SteadyTime progress_at_{};
+  SteadyTime ack_due_{};
+  bool ack_timer_armed_ = false;
+  void NoteProgress();
+  void ArmAckTimer();
+  std::chrono::nanoseconds AckTimeout() const;
   // Responder.
   uint64_t expected_seq_ = 0;
   bool rnr_drop_ = false;
