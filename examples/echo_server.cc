@@ -62,6 +62,14 @@ ABSL_FLAG(int, srq_depth, 0,
           "plus 6 reserve, so this bounds connections per reactor to about "
           "srq_depth / 10). The SRQ's CQ must hold it: --cq_entries. 0: "
           "rings (64 receives per connection).");
+ABSL_FLAG(int, srq_initial_credits, 4,
+          "With --srq_depth: receives promised to a new connection (its "
+          "window grows while its client keeps running out). Fewer: less "
+          "memory per idle connection.");
+ABSL_FLAG(int, send_depth, 64,
+          "Send work requests posted at once per connection (more wait in "
+          "order). On a real NIC each costs send-queue memory even when "
+          "idle.");
 ABSL_FLAG(int, cq_entries, 0,
           "Entries per completion queue (0: the device's, at most 4096). A "
           "connection reserves 144 with the defaults; a reactor adds CQs as "
@@ -133,6 +141,13 @@ int Run() {
   options.listener.max_pending_handshakes =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
   options.listener.connection.use_srq = ctx_options.srq_depth > 0;
+  if (absl::GetFlag(FLAGS_srq_initial_credits) < 1 || absl::GetFlag(FLAGS_send_depth) < 1) {
+    std::fprintf(stderr, "echo_server: --srq_initial_credits and --send_depth must be >= 1\n");
+    return 2;
+  }
+  options.listener.connection.srq_initial_credits =
+      static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_initial_credits));
+  options.listener.connection.send_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_send_depth));
   options.listener.connection.keepalive_interval = absl::GetFlag(FLAGS_keepalive);
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(

@@ -13,6 +13,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -958,6 +960,24 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
   }(this, path));
 }
 
+// SIGSTOP, then wait until the process is really stopped: signal delivery
+// to a running thread takes a moment, in which it may still answer.
+void StopProcess(pid_t pid) {
+  kill(pid, SIGSTOP);
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  for (int i = 0; i < 1000; ++i) {
+    std::ifstream f(path);
+    std::string stat((std::istreambuf_iterator<char>(f)),
+                     std::istreambuf_iterator<char>());
+    size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size() &&
+        stat[paren + 2] == 'T') {
+      return;
+    }
+    usleep(1000);
+  }
+}
+
 TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
   const char* helper = std::getenv("COVERBS_CM_PEER");
   std::string path = helper ? helper : "tests/cm/cm_peer";
@@ -997,7 +1017,7 @@ TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
     // process answers nothing. rxe/siw: the unanswered probes fail it
     // (DeadlineExceeded); soft: the first probe's send already fails at the
     // soft RC transport timer (Unavailable, naming the keepalive message).
-    kill(pid, SIGSTOP);
+    StopProcess(pid);
     absl::Time start = absl::Now();
     auto m = co_await (*c)->Recv();
     absl::Duration took = absl::Now() - start;
@@ -1051,7 +1071,7 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     }
     auto first = co_await (*c)->Recv();
     EXPECT_TRUE(first.ok()) << first.status();
-    kill(pid, SIGSTOP);
+    StopProcess(pid);
     absl::Time start = absl::Now();
     auto msg = Pattern(100, 1);
     absl::Status s = co_await (*c)->Send(msg);
