@@ -67,16 +67,6 @@ inline absl::Status StatusOf(const absl::Status& s) { return s; }
     }                                      \
   } while (0)
 
-std::vector<std::string> Providers() {
-  const char* env = std::getenv("COVERBS_PROVIDER");
-  if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
-    return {env};
-  }
-  std::vector<std::string> v = {"soft"};
-  if (transport::VerbsDevicesPresent()) v.push_back("verbs");
-  return v;
-}
-
 std::vector<std::byte> Pattern(size_t n, uint8_t seed) {
   std::vector<std::byte> v(n);
   for (size_t i = 0; i < n; ++i) {
@@ -910,6 +900,26 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
   }(this));
 }
 
+// Starts the cm_peer helper process against a listener (`mode`: "" or
+// "idle", see cm_peer.cc); -1 (and a test failure) if it cannot start.
+// posix_spawn, not fork: this process has threads (the soft provider's
+// progress thread), and a forked child may only call exec.
+pid_t SpawnPeer(std::string path, std::string provider, std::string addr,
+                uint16_t port, std::string mode) {
+  std::string port_s = std::to_string(port);
+  std::vector<char*> argv = {path.data(), provider.data(), addr.data(),
+                             port_s.data()};
+  if (!mode.empty()) argv.push_back(mode.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv.data(),
+                  environ) != 0) {
+    ADD_FAILURE() << "posix_spawn " << path;
+    return -1;
+  }
+  return pid;
+}
+
 TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
   const char* helper = std::getenv("COVERBS_CM_PEER");
   std::string path = helper ? helper : "tests/cm/cm_peer";
@@ -919,17 +929,8 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
   Run([](CmTest* t, std::string path) -> Task<void> {
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
     CO_ASSERT_OK(ln);
-    // posix_spawn, not fork: this process has threads (the soft provider's
-    // progress thread), and a forked child may only call exec.
-    std::string port = std::to_string((*ln)->port());
-    std::string provider = t->GetParam();
-    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
-                    nullptr};
-    pid_t pid = -1;
-    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
-      ADD_FAILURE() << "posix_spawn " << path;
-      co_return;
-    }
+    pid_t pid = SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "");
+    if (pid < 0) co_return;
     auto c = co_await (*ln)->Accept();
     CO_ASSERT_OK(c);
     // The child announced a 64 MiB message and gets killed while it writes.
@@ -990,16 +991,9 @@ TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
     lo.connection.keepalive_probes = 3;
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
     CO_ASSERT_OK(ln);
-    std::string port = std::to_string((*ln)->port());
-    std::string provider = t->GetParam();
-    std::string idle = "idle";
-    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
-                    idle.data(), nullptr};
-    pid_t pid = -1;
-    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
-      ADD_FAILURE() << "posix_spawn " << path;
-      co_return;
-    }
+    pid_t pid =
+        SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "idle");
+    if (pid < 0) co_return;
     auto c = co_await (*ln)->Accept();
     if (!c.ok()) {
       kill(pid, SIGKILL);
@@ -1052,16 +1046,9 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     lo.connection.qp.retry_cnt = 2;  // 3 attempts: ~200 ms
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
     CO_ASSERT_OK(ln);
-    std::string port = std::to_string((*ln)->port());
-    std::string provider = t->GetParam();
-    std::string idle = "idle";
-    char* argv[] = {path.data(), provider.data(), t->addr_.data(), port.data(),
-                    idle.data(), nullptr};
-    pid_t pid = -1;
-    if (posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ) != 0) {
-      ADD_FAILURE() << "posix_spawn " << path;
-      co_return;
-    }
+    pid_t pid =
+        SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "idle");
+    if (pid < 0) co_return;
     auto c = co_await (*ln)->Accept();
     if (!c.ok()) {
       kill(pid, SIGKILL);

@@ -22,16 +22,6 @@
 namespace coverbs::cm {
 namespace {
 
-std::vector<std::string> Providers() {
-  const char* env = std::getenv("COVERBS_PROVIDER");
-  if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
-    return {env};
-  }
-  std::vector<std::string> v = {"soft"};
-  if (transport::VerbsDevicesPresent()) v.push_back("verbs");
-  return v;
-}
-
 int ConnectionCount(const std::string& provider) {
   if (const char* n = std::getenv("COVERBS_SCALE_CONNECTIONS")) {
     return std::atoi(n);

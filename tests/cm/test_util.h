@@ -5,6 +5,9 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
+
+#include "transport/verbs/verbs_provider.h"
 
 namespace coverbs::cm {
 
@@ -18,6 +21,18 @@ inline std::string TestAddress() {
 inline std::string UnusedPeerAddress(const std::string& addr) {
   size_t dot = addr.rfind('.');
   return addr.substr(0, dot + 1) + "250";
+}
+
+// The providers a suite runs on: COVERBS_PROVIDER if set (the VM harness
+// sets verbs), else soft, plus verbs when a device is present.
+inline std::vector<std::string> Providers() {
+  const char* env = std::getenv("COVERBS_PROVIDER");
+  if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
+    return {env};
+  }
+  std::vector<std::string> v = {"soft"};
+  if (transport::VerbsDevicesPresent()) v.push_back("verbs");
+  return v;
 }
 
 }  // namespace coverbs::cm
