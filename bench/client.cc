@@ -73,8 +73,8 @@ Client::~Client() {
 absl::Status Client::Connect(int n) {
   for (int k = 0; k < n; ++k) {
     auto c = std::make_unique<ClientConn>();
-    c->reactor = k % side_->contexts.size();
-    c->ctx = side_->contexts[c->reactor].get();
+    c->reactor = k % side_->contexts->size();
+    c->ctx = &side_->contexts->context(c->reactor);
     ClientConn* cp = c.get();
     absl::Status s = RunOn<absl::Status>(
         side_, c->reactor, [this, cp]() -> Task<absl::Status> {
@@ -142,7 +142,7 @@ bool Client::RunBatch(RunSpec spec, std::vector<ConnRun>* runs, bool progress,
   std::vector<std::future<void>> futures;
   for (size_t k = 0; k < conns_.size(); ++k) {
     futures.push_back(done[k].get_future());
-    side_->pool->Spawn(conns_[k]->reactor,
+    side_->pool().Spawn(conns_[k]->reactor,
                        Drive(conns_[k].get(), spec, &batch[k], &done[k]),
                        spec.stop);
   }

@@ -24,7 +24,7 @@ template <typename T>
 T RunOn(Side* side, size_t i, absl::AnyInvocable<Task<T>()> body) {
   std::promise<T> p;
   auto f = p.get_future();
-  side->pool->Spawn(
+  side->pool().Spawn(
       i, [](absl::AnyInvocable<Task<T>()> b, std::promise<T>* p) -> Task<void> {
         p->set_value(co_await b());
       }(std::move(body), &p));

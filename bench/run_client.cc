@@ -94,7 +94,7 @@ int RunClient(Side* side, const std::string& address, uint16_t port,
   info.provider = Describe(*side->device);
   info.mode = mode;
   info.poll = absl::GetFlag(FLAGS_poll);
-  info.threads = static_cast<int>(side->pool->size());
+  info.threads = static_cast<int>(side->pool().size());
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   info.host = host;
@@ -150,7 +150,7 @@ int RunClient(Side* side, const std::string& address, uint16_t port,
       }
       double srv0 = 0, srv1 = 0;
       absl::Status cs = client.ServerCpu(kOpCpuBegin, &srv0);
-      const double cli0 = PoolCpuBlocking(*side->pool);
+      const double cli0 = PoolCpuBlocking(side->pool());
       std::vector<ConnRun> runs;
       double wall = 0;
       const auto deadline = Clock::now() + absl::ToChronoNanoseconds(
@@ -166,7 +166,7 @@ int RunClient(Side* side, const std::string& address, uint16_t port,
         }
         wall += std::chrono::duration<double>(e0 - s0).count();
       } while (ok && Clock::now() < deadline);
-      const double cli1 = PoolCpuBlocking(*side->pool);
+      const double cli1 = PoolCpuBlocking(side->pool());
       if (cs.ok() && ok) cs = client.ServerCpu(kOpCpuEnd, &srv1);
       Result r = Aggregate(test, size, conns, depth, spec.verify, runs, wall);
       if (r.iterations > 0) {

@@ -20,13 +20,13 @@ absl::Status Server::Start(const std::string& address, uint16_t port,
   lo.connection = BenchConnectionOptions();
   std::promise<absl::StatusOr<std::unique_ptr<cm::Listener>>> p;
   auto f = p.get_future();
-  side_->pool->Post(0, [&]() {
-    p.set_value(cm::Listener::Create(*side_->contexts[0], address, port, lo));
+  side_->pool().Post(0, [&]() {
+    p.set_value(cm::Listener::Create(side_->contexts->context(0), address, port, lo));
   });
   auto ln = f.get();
   if (!ln.ok()) return ln.status();
   port_ = (*ln)->port();
-  side_->pool->Spawn(0, AcceptLoop(*std::move(ln)), stop_.get_token());
+  side_->pool().Spawn(0, AcceptLoop(*std::move(ln)), stop_.get_token());
 
   rpc::ServerOptions ro;
   ro.listener.connection = BenchConnectionOptions();
@@ -34,7 +34,7 @@ absl::Status Server::Start(const std::string& address, uint16_t port,
   rpc_ = std::make_unique<rpc::Server>(ro);
   absl::Status s = RegisterEcho(*rpc_);
   if (!s.ok()) return s;
-  return rpc_->Start(side_->context_ptrs(), address, rpc_port);
+  return rpc_->Start(side_->contexts->contexts(), address, rpc_port);
 }
 
 void Server::Shutdown() {
@@ -51,9 +51,9 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> ln) {
   while (true) {
     auto req = co_await ln->Next();
     if (!req.ok()) break;  // cancelled by Shutdown
-    size_t i = next++ % side_->contexts.size();
-    side_->pool->Spawn(
-        i, AcceptAndServe(*std::move(req), side_->contexts[i].get()),
+    size_t i = next++ % side_->contexts->size();
+    side_->pool().Spawn(
+        i, AcceptAndServe(*std::move(req), &side_->contexts->context(i)),
         stop_.get_token());
   }
   ln->Close();
@@ -95,9 +95,9 @@ Task<void> Server::Serve(cm::Connection* conn) {
     }
     Reply rep;
     if (p.op == kOpCpuBegin) {
-      cpu_begin_ = co_await PoolCpuAsync(side_->pool.get());
+      cpu_begin_ = co_await PoolCpuAsync(&side_->pool());
     } else if (p.op == kOpCpuEnd) {
-      rep.cpu_seconds = co_await PoolCpuAsync(side_->pool.get()) - cpu_begin_;
+      rep.cpu_seconds = co_await PoolCpuAsync(&side_->pool()) - cpu_begin_;
     } else {
       absl::Status s = co_await Run(conn, p, &rep);
       if (!s.ok()) {

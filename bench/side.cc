@@ -62,45 +62,15 @@ absl::StatusOr<std::unique_ptr<Side>> Side::Create(int threads, PollMode poll) {
   auto d = transport::Device::Open(po);
   if (!d.ok()) return d.status();
   side->device = *std::move(d);
-  ReactorOptions ro;
-  ro.poll_mode = poll;
-  auto pool = ReactorPool::Create(threads, ro);
-  if (!pool.ok()) return pool.status();
-  side->pool = *std::move(pool);
-  for (size_t i = 0; i < side->pool->size(); ++i) {
-    std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
-    auto f = p.get_future();
-    Side* s = side.get();
-    s->pool->Post(i, [&p, s, i]() {
-      cm::ContextOptions co;
-      // Room for many connections with deep queues on one CQ.
-      co.cq_entries = 8192;
-      p.set_value(cm::Context::Create(s->pool->reactor(i), *s->device, co));
-    });
-    auto ctx = f.get();
-    if (!ctx.ok()) return ctx.status();
-    side->contexts.push_back(*std::move(ctx));
-  }
+  cm::ContextPool::Options o;
+  o.threads = static_cast<size_t>(threads);
+  o.reactor.poll_mode = poll;
+  // Room for many connections with deep queues on one CQ.
+  o.context.cq_entries = 8192;
+  auto contexts = cm::ContextPool::Create(*side->device, o);
+  if (!contexts.ok()) return contexts.status();
+  side->contexts = *std::move(contexts);
   return side;
-}
-
-Side::~Side() {
-  for (size_t i = 0; i < contexts.size(); ++i) {
-    std::promise<void> p;
-    auto f = p.get_future();
-    pool->Post(i, [this, &p, i]() {
-      contexts[i].reset();
-      p.set_value();
-    });
-    f.get();
-  }
-  if (pool) pool->Stop();
-}
-
-std::vector<cm::Context*> Side::context_ptrs() const {
-  std::vector<cm::Context*> v;
-  for (const auto& c : contexts) v.push_back(c.get());
-  return v;
 }
 
 cm::ConnectionOptions BenchConnectionOptions() {

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "cm/connection.h"
 #include "cm/context.h"
+#include "cm/context_pool.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "core/task.h"
@@ -18,18 +19,15 @@
 
 namespace coverbs::bench {
 
-// One cm::Context per reactor of a pool, created and destroyed on its thread.
-// (A copy of examples/common.h's ContextPool, until the library has one.)
+// The device and one cm::Context per reactor of a pool (cm::ContextPool).
 struct Side {
   std::unique_ptr<transport::Device> device;
-  std::unique_ptr<ReactorPool> pool;
-  std::vector<std::unique_ptr<cm::Context>> contexts;
+  std::unique_ptr<cm::ContextPool> contexts;  // goes before the device
 
   // Opens the device --provider / --device name.
   static absl::StatusOr<std::unique_ptr<Side>> Create(int threads,
                                                       PollMode poll);
-  ~Side();
-  std::vector<cm::Context*> context_ptrs() const;
+  ReactorPool& pool() { return contexts->reactors(); }
 };
 
 // The options of every bench connection, from --depth.

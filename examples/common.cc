@@ -81,50 +81,6 @@ absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
   return transport::Device::Open(o);
 }
 
-absl::StatusOr<std::unique_ptr<ContextPool>> ContextPool::Create(
-    transport::Device& device, size_t threads, PollMode poll_mode,
-    transport::ProtectionDomain* pd, const cm::ContextOptions& options) {
-  ReactorOptions ro;
-  ro.poll_mode = poll_mode;
-  auto pool = ReactorPool::Create(threads, ro);
-  if (!pool.ok()) return pool.status();
-  std::unique_ptr<ContextPool> cp(new ContextPool());
-  cp->pool_ = *std::move(pool);
-  for (size_t i = 0; i < cp->pool_->size(); ++i) {
-    std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
-    auto f = p.get_future();
-    ReactorPool* rp = cp->pool_.get();
-    rp->Post(i, [&p, &device, rp, i, pd, &options]() {
-      cm::ContextOptions o = options;
-      if (pd != nullptr) o.pd = pd;
-      p.set_value(cm::Context::Create(rp->reactor(i), device, o));
-    });
-    auto ctx = f.get();
-    if (!ctx.ok()) return ctx.status();  // ~ContextPool cleans up the rest
-    cp->contexts_.push_back(*std::move(ctx));
-  }
-  return cp;
-}
-
-ContextPool::~ContextPool() {
-  for (size_t i = 0; i < contexts_.size(); ++i) {
-    std::promise<void> p;
-    auto f = p.get_future();
-    pool_->Post(i, [this, &p, i]() {
-      contexts_[i].reset();
-      p.set_value();
-    });
-    f.get();
-  }
-  if (pool_) pool_->Stop();
-}
-
-std::vector<cm::Context*> ContextPool::contexts() const {
-  std::vector<cm::Context*> v;
-  for (const auto& c : contexts_) v.push_back(c.get());
-  return v;
-}
-
 namespace {
 sigset_t TerminationSet() {
   sigset_t set;

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cm/context.h"
+#include "cm/context_pool.h"  // IWYU pragma: export
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "transport/device.h"
@@ -33,30 +34,6 @@ bool CheckAddressFlag(const char* program, const char* flag,
 // provider: "auto" | "verbs" | "soft"; device: verbs device name or "".
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device);
-
-// A ReactorPool with one cm::Context per reactor, created and destroyed on
-// that reactor's thread (a Context is single-threaded).
-class ContextPool {
- public:
-  // `pd`, if given, is shared by every context (so one MemoryRegion serves
-  // the connections of all reactors); it must outlive the pool.
-  // `options` apply to every context (its pd is replaced by `pd` if set).
-  static absl::StatusOr<std::unique_ptr<ContextPool>> Create(
-      transport::Device& device, size_t threads, PollMode poll_mode,
-      transport::ProtectionDomain* pd = nullptr,
-      const cm::ContextOptions& options = {});
-  // Destroys the contexts on their threads, then stops the reactors. Every
-  // connection on them must be gone (Server::Shutdown) first.
-  ~ContextPool();
-
-  std::vector<cm::Context*> contexts() const;
-  ReactorPool& pool() { return *pool_; }
-
- private:
-  ContextPool() = default;
-  std::unique_ptr<ReactorPool> pool_;
-  std::vector<std::unique_ptr<cm::Context>> contexts_;
-};
 
 // Blocks SIGINT, SIGTERM and SIGUSR1 in the calling thread and in every
 // thread it creates afterwards, so that WaitForSignal can take them

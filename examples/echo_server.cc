@@ -128,8 +128,11 @@ int Run() {
   cm::ContextOptions ctx_options;
   ctx_options.srq_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_depth));
   ctx_options.cq_entries = absl::GetFlag(FLAGS_cq_entries);
-  auto contexts = ContextPool::Create(**device, absl::GetFlag(FLAGS_threads), *poll,
-                                      nullptr, ctx_options);
+  cm::ContextPool::Options pool_options;
+  pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
+  pool_options.reactor.poll_mode = *poll;
+  pool_options.context = ctx_options;
+  auto contexts = cm::ContextPool::Create(**device, pool_options);
   if (!contexts.ok()) {
     std::fprintf(stderr, "echo_server: %s\n", contexts.status().ToString().c_str());
     return 1;
@@ -155,7 +158,7 @@ int Run() {
         co_return std::move(r.payload);
       });
   if (s.ok()) {
-    s = server->Start((*contexts)->contexts(), absl::GetFlag(FLAGS_address),
+    s = server->Start(**contexts, absl::GetFlag(FLAGS_address),
                       absl::GetFlag(FLAGS_port));
   }
   if (!s.ok()) {

@@ -146,8 +146,10 @@ int Run() {
     std::fprintf(stderr, "kv_server: registering the store: %s\n", s.ToString().c_str());
     return 1;
   }
-  auto contexts = ContextPool::Create(**device, absl::GetFlag(FLAGS_threads), PollMode::kEvent,
-                                      pd->get());
+  cm::ContextPool::Options pool_options;
+  pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
+  pool_options.context.pd = pd->get();  // one MR serves every reactor
+  auto contexts = cm::ContextPool::Create(**device, pool_options);
   if (!contexts.ok()) {
     std::fprintf(stderr, "kv_server: %s\n", contexts.status().ToString().c_str());
     return 1;
@@ -165,7 +167,7 @@ int Run() {
     });
   }
   if (s.ok()) {
-    s = server->Start((*contexts)->contexts(), absl::GetFlag(FLAGS_address),
+    s = server->Start(**contexts, absl::GetFlag(FLAGS_address),
                       absl::GetFlag(FLAGS_port));
   }
   if (!s.ok()) {

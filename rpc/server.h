@@ -45,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "cm/connection.h"
 #include "cm/context.h"
+#include "cm/context_pool.h"
 #include "cm/listener.h"
 #include "core/task.h"
 #include "rpc/payload.h"
@@ -97,6 +98,11 @@ class Server {
   // contexts must outlive Shutdown().
   absl::Status Start(std::vector<cm::Context*> contexts,
                      const std::string& address, uint16_t port);
+  // The same over every context of `pool`.
+  absl::Status Start(cm::ContextPool& pool, const std::string& address,
+                     uint16_t port) {
+    return Start(pool.contexts(), address, port);
+  }
   uint16_t port() const { return port_; }
 
   // Serves one established connection on its reactor until it closes (peer
