@@ -111,9 +111,8 @@ Task<absl::Status> ServeOneSided(cm::Connection* conn, const Params& p,
   auto token = conn->Expose(
       *mr, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
   if (!token.ok()) co_return token.status();
-  std::string enc = token->Encode();
-  absl::Status s = co_await conn->Send(
-      std::span(reinterpret_cast<const std::byte*>(enc.data()), enc.size()));
+  auto enc = token->Encode();
+  absl::Status s = co_await conn->Send(enc);
   if (!s.ok()) co_return s;
   // The client's "done": for write_bw the tag last written to each slot.
   auto done = co_await conn->Recv();

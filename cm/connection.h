@@ -31,11 +31,13 @@
 #ifndef COVERBS_CM_CONNECTION_H_
 #define COVERBS_CM_CONNECTION_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -121,11 +123,14 @@ class Message {
   internal::MessageBuffer* owner_ = nullptr;
 };
 
-// A memory region exposed to the peer, as a token that travels in a message.
+// A memory region exposed to the peer, as a token that travels in a message:
+//   auto enc = token.Encode();  co_await conn.Send(enc);
+//   auto token = RegionToken::Decode(message.data());
 struct RegionToken {
   static constexpr size_t kEncodedSize = 20;
   transport::RemoteRegion region;
-  std::string Encode() const;
+  // Bytes, ready for Send (a plain array: no allocation).
+  std::array<std::byte, kEncodedSize> Encode() const;
   static absl::StatusOr<RegionToken> Decode(std::span<const std::byte> data);
 };
 
@@ -139,6 +144,11 @@ class Connection {
   // caller's memory (large; registered through the Context's cache). The
   // bytes must stay valid until the returned Task completes.
   Task<absl::Status> Send(std::span<const std::byte> payload);
+  // The same for text. (Pass a named string, not a temporary, inside a
+  // co_await expression: gcc 12 destroys such temporaries twice.)
+  Task<absl::Status> Send(std::string_view text) {
+    return Send(std::as_bytes(std::span(text.data(), text.size())));
+  }
   // Gather: the message is the concatenation of `parts`.
   Task<absl::Status> SendV(std::span<const std::span<const std::byte>> parts);
   // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).

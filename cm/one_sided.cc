@@ -63,8 +63,8 @@ Task<absl::StatusOr<uint64_t>> ConnectionImpl::Atomic(bool cas, RemoteRegion r,
 // ---------------------------------------------------------------------------
 // RegionToken
 
-std::string RegionToken::Encode() const {
-  std::string out(kEncodedSize, '\0');
+std::array<std::byte, RegionToken::kEncodedSize> RegionToken::Encode() const {
+  std::array<std::byte, kEncodedSize> out{};
   std::memcpy(out.data(), &region.addr, 8);
   std::memcpy(out.data() + 8, &region.length, 8);
   std::memcpy(out.data() + 16, &region.rkey, 4);

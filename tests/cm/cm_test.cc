@@ -241,7 +241,17 @@ TEST_P(CmTest, ConnectAcceptAndExchange) {
     auto r = co_await p->client->Recv();
     CO_ASSERT_OK(r);
     EXPECT_TRUE(Same(r->data(), pong));
+    // Text goes as it is (Send(std::string_view)).
+    std::string text = "plain text";
+    CO_ASSERT_OK(co_await p->client->Send(text));
+    auto tm = co_await p->server->Recv();
+    CO_ASSERT_OK(tm);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(tm->data().data()),
+                          tm->data().size()),
+              text);
     EXPECT_EQ(p->listener->stats().accepted, 1u);
+    EXPECT_EQ(p->client->stats().bytes_sent, 100u + text.size());
+    EXPECT_EQ(p->server->stats().bytes_received, 100u + text.size());
     CO_ASSERT_OK(co_await p->client->Close());
     // The peer learns it was an orderly close.
     auto end = co_await p->server->Recv();
@@ -813,9 +823,8 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     CO_ASSERT_OK(co_await p->client->Send(Pattern(4, 1)));
     auto ask = co_await p->server->Recv();
     CO_ASSERT_OK(ask);
-    std::string enc = tok->Encode();
-    CO_ASSERT_OK(co_await p->server->Send(
-        std::as_bytes(std::span(enc.data(), enc.size()))));
+    auto enc = tok->Encode();
+    CO_ASSERT_OK(co_await p->server->Send(enc));
     auto m = co_await p->client->Recv();
     CO_ASSERT_OK(m);
     auto remote = RegionToken::Decode(m->data());
