@@ -163,6 +163,10 @@ class Connection {
   absl::StatusOr<RegionToken> Expose(
       const transport::MemoryRegion& mr, int access, size_t offset = 0,
       size_t length = transport::MemoryRegion::npos);
+  // All of `mr` with the remote access it was registered with
+  // (InvalidArgument if it has none). The token carries the region's rkey,
+  // so the peer gets exactly that access.
+  absl::StatusOr<RegionToken> Expose(const transport::MemoryRegion& mr);
   Task<absl::Status> Read(transport::LocalBuffer local,
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,

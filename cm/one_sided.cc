@@ -114,4 +114,17 @@ absl::StatusOr<RegionToken> Connection::Expose(
   t.region = mr.Remote(offset, length);
   return t;
 }
+
+absl::StatusOr<RegionToken> Connection::Expose(
+    const transport::MemoryRegion& mr) {
+  constexpr int kRemote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE |
+                          IBV_ACCESS_REMOTE_ATOMIC;
+  if (mr.valid() && (mr.access() & kRemote) == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "expose on %s: the region was registered with access 0x%x, without "
+        "any IBV_ACCESS_REMOTE_* flag: the peer could do nothing with it",
+        name(), mr.access()));
+  }
+  return Expose(mr, mr.access() & kRemote);
+}
 }  // namespace coverbs::cm

@@ -819,6 +819,21 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     auto tok = p->server->Expose(
         *mr, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE);
     CO_ASSERT_OK(tok);
+    // Expose(mr): the whole region with its own access -- the same token.
+    auto whole = p->server->Expose(*mr);
+    CO_ASSERT_OK(whole);
+    EXPECT_EQ(whole->region.rkey, tok->region.rkey);
+    EXPECT_EQ(whole->region.addr, tok->region.addr);
+    EXPECT_EQ(whole->region.length, region.size());
+    // A region with no remote access cannot be exposed.
+    std::vector<std::byte> private_bytes(64);
+    auto local_only = t->server_ctx_->pd().Register(
+        private_bytes.data(), private_bytes.size(), IBV_ACCESS_LOCAL_WRITE);
+    CO_ASSERT_OK(local_only);
+    auto refused_expose = p->server->Expose(*local_only);
+    EXPECT_EQ(refused_expose.status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << refused_expose.status();
     // iWARP: the active side (client) speaks first, so it asks for it.
     CO_ASSERT_OK(co_await p->client->Send(Pattern(4, 1)));
     auto ask = co_await p->server->Recv();
