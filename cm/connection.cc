@@ -60,6 +60,14 @@ Task<absl::Status> Connection::Write(transport::LocalBuffer local,
                                      transport::RemoteRegion remote) {
   return impl_->OneSided(false, local, remote);
 }
+Task<absl::Status> Connection::Read(std::span<std::byte> local,
+                                    transport::RemoteRegion remote) {
+  return impl_->OneSidedPlain(true, local.data(), local.size(), remote);
+}
+Task<absl::Status> Connection::Write(std::span<const std::byte> local,
+                                     transport::RemoteRegion remote) {
+  return impl_->OneSidedPlain(false, local.data(), local.size(), remote);
+}
 Task<absl::StatusOr<uint64_t>> Connection::FetchAdd(
     transport::RemoteRegion remote, uint64_t add) {
   return impl_->Atomic(false, remote, add, 0);

@@ -171,6 +171,14 @@ class Connection {
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,
                            transport::RemoteRegion remote);
+  // The same on plain memory, registered through the Context's registration
+  // cache (a hit costs nothing; memory that is freed or unmapped must be
+  // dropped from the cache first: context().registrations().Invalidate).
+  // The memory must stay valid until the Task completes.
+  Task<absl::Status> Read(std::span<std::byte> local,
+                          transport::RemoteRegion remote);
+  Task<absl::Status> Write(std::span<const std::byte> local,
+                           transport::RemoteRegion remote);
   // 8-byte atomics (FailedPrecondition when the device has none); yield the
   // remote value before the operation.
   Task<absl::StatusOr<uint64_t>> FetchAdd(transport::RemoteRegion remote,

@@ -80,6 +80,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::Status> SendRegistered(LocalBuffer b);
   Task<absl::StatusOr<Message>> Recv();
   Task<absl::Status> OneSided(bool read, LocalBuffer local, RemoteRegion r);
+  // On plain memory: registers it through the Context's cache first.
+  Task<absl::Status> OneSidedPlain(bool read, const std::byte* data,
+                                   size_t length, RemoteRegion r);
   Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
                                         uint64_t b);
   Task<absl::Status> Close();

@@ -58,6 +58,34 @@ Task<absl::StatusOr<uint64_t>> ConnectionImpl::Atomic(bool cas, RemoteRegion r,
   co_return v;
 }
 
+Task<absl::Status> ConnectionImpl::OneSidedPlain(bool read,
+                                                 const std::byte* data,
+                                                 size_t length,
+                                                 RemoteRegion r) {
+  const char* op = read ? "RDMA READ" : "RDMA WRITE";
+  if (length == 0) {
+    co_return absl::InvalidArgumentError(
+        absl::StrCat(op, " on ", name_, ": empty local buffer"));
+  }
+  // A READ lands in local memory (LOCAL_WRITE); a WRITE's source may be
+  // read-only memory, which a LOCAL_WRITE registration would refuse.
+  auto mr = ctx_.registrations().Get(data, length,
+                                     read ? IBV_ACCESS_LOCAL_WRITE : 0);
+  if (!mr.ok()) {
+    co_return absl::Status(
+        mr.status().code(),
+        absl::StrCat(op, " on ", name_,
+                     ": registering the local buffer: ", mr.status().message()));
+  }
+  // Held until the operation completed: eviction from the cache meanwhile
+  // defers the deregistration.
+  std::shared_ptr<const transport::MemoryRegion> hold = *std::move(mr);
+  const size_t offset = static_cast<size_t>(
+      data - static_cast<const std::byte*>(hold->addr()));
+  auto done = OneSided(read, hold->Local(offset, length), r);
+  co_return co_await std::move(done);
+}
+
 }  // namespace internal
 
 // ---------------------------------------------------------------------------

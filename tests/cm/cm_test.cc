@@ -861,6 +861,23 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
                                           remote->region.Slice(8192, 4096)));
     EXPECT_TRUE(Same(std::span(local).subspan(4096, 4096), fresh));
     EXPECT_TRUE(Same(std::span(region).subspan(8192, 4096), fresh));
+    // The same on plain memory (registered through the Context's cache).
+    std::vector<std::byte> plain(4096);
+    CO_ASSERT_OK(co_await p->client->Read(std::span(plain),
+                                          remote->region.Slice(8192, 4096)));
+    EXPECT_TRUE(Same(plain, fresh));
+    const auto plain_src = Pattern(2048, 55);
+    CO_ASSERT_OK(co_await p->client->Write(std::span(plain_src),
+                                           remote->region.Slice(16384, 2048)));
+    std::vector<std::byte> back(2048);
+    CO_ASSERT_OK(co_await p->client->Read(std::span(back),
+                                          remote->region.Slice(16384, 2048)));
+    EXPECT_TRUE(Same(back, plain_src));
+    EXPECT_TRUE(Same(std::span(region).subspan(16384, 2048), plain_src));
+    // Nothing to read into: refused before anything is posted.
+    std::span<std::byte> none;
+    auto empty = co_await p->client->Read(none, remote->region.Slice(0, 8));
+    EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
     if (t->device_->caps().atomics) {
       uint64_t before;
       std::memcpy(&before, region.data(), 8);
