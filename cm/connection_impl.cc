@@ -302,13 +302,9 @@ void ConnectionImpl::Abort(absl::Status why) {
 Task<absl::Status> ConnectionImpl::WaitPeerSpoke(absl::Time deadline) {
   if (!peer_spoke_.is_set()) {
     absl::Duration left = deadline - absl::Now();
-    auto wait = [](Event& e) -> Task<absl::Status> {
-      auto w = e.Wait();
-      co_return co_await w;
-    };
     absl::Status s = absl::DeadlineExceededError("no time left");
     if (left > absl::ZeroDuration()) {
-      auto waiting = WithTimeout(wait(peer_spoke_), left);
+      auto waiting = peer_spoke_.WaitFor(left);
       s = co_await std::move(waiting);
     }
     if (!s.ok() && status_.ok()) {

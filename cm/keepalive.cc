@@ -6,7 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
-#include "core/timeout.h"
+#include "core/sync.h"
 
 namespace coverbs::cm::internal {
 
@@ -37,11 +37,7 @@ Task<void> ConnectionImpl::KeepaliveLoop() {
   uint64_t seen = rx_count_;
   int unanswered = 0;
   for (;;) {
-    auto wait = [](Event& e) -> Task<absl::Status> {
-      auto w = e.Wait();
-      co_return co_await w;
-    };
-    auto timed = WithTimeout(wait(keepalive_wake_), interval);
+    auto timed = keepalive_wake_.WaitFor(interval);
     absl::Status woken = co_await std::move(timed);
     if (woken.ok() || !status_.ok() || closing_) co_return;  // going down
     if (rx_count_ != seen) {

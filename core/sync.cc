@@ -1,5 +1,7 @@
 #include "core/sync.h"
 
+#include "core/timeout.h"
+
 namespace coverbs {
 
 void Event::Set() {
@@ -11,6 +13,15 @@ void Event::Set() {
 void Event::Reset() {
   std::lock_guard<std::mutex> lock(mu_);
   set_ = false;
+}
+
+Task<absl::Status> Event::WaitFor(absl::Duration timeout) {
+  auto wait = [](Event* e) -> Task<absl::Status> {
+    auto w = e->Wait();
+    co_return co_await w;
+  };
+  auto timed = WithTimeout(wait(this), timeout);
+  co_return co_await std::move(timed);
 }
 
 bool Event::is_set() const {

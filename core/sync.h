@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/intrusive.h"
 #include "core/reactor.h"
 #include "core/task.h"
@@ -117,6 +118,9 @@ class Event {
   };
   // Yields OK once set, or Cancelled.
   Awaiter Wait() { return Awaiter(this); }
+  // Wait() for at most `timeout`: OK once set, DeadlineExceeded when the
+  // time ran out (the wait is cancelled and finished first), Cancelled.
+  Task<absl::Status> WaitFor(absl::Duration timeout);
 
  private:
   friend class internal::SyncAwaiterBase<Event>;

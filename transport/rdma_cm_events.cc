@@ -10,7 +10,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/timeout.h"
 #include "transport/cm_trace.h"
 
 namespace coverbs::transport::rdma_cm {
@@ -193,10 +192,8 @@ void CmId::Deliver(CmEvent ev) {
 Task<absl::StatusOr<CmEvent>> CmId::Next(absl::Duration timeout) {
   if (events_.empty()) {
     signal_.Reset();
-    auto wait = [](Event& e) -> Task<absl::Status> {
-      co_return co_await e.Wait();
-    };
-    absl::Status s = co_await WithTimeout(wait(signal_), timeout);
+    auto wait = signal_.WaitFor(timeout);
+    absl::Status s = co_await std::move(wait);
     if (!s.ok() && events_.empty()) co_return s;
   }
   CmEvent e = std::move(events_.front());
@@ -243,10 +240,8 @@ void CmId::Disconnect() {
 
 Task<absl::Status> CmId::WaitDown(absl::Duration timeout) {
   if (down_) co_return absl::OkStatus();
-  auto wait = [](Event& e) -> Task<absl::Status> {
-    co_return co_await e.Wait();
-  };
-  absl::Status s = co_await WithTimeout(wait(down_event_), timeout);
+  auto wait = down_event_.WaitFor(timeout);
+  absl::Status s = co_await std::move(wait);
   if (!s.ok()) {
     co_return absl::Status(
         s.code(),

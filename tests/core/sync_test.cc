@@ -52,6 +52,20 @@ TEST(EventTest, WakesAllWaitersAndStaysSet) {
   EXPECT_EQ(woken, 7);
 }
 
+TEST(EventTest, WaitForTimesOutOrSeesTheSet) {
+  auto r = MakeReactor();
+  Event e;
+  absl::Status s = r->BlockOn(e.WaitFor(absl::Milliseconds(10)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  // Set meanwhile, from another waiter's turn: OK well before the limit.
+  r->Spawn([](Event* e) -> Task<void> {
+    e->Set();
+    co_return;
+  }(&e));
+  s = r->BlockOn(e.WaitFor(absl::Seconds(10)));
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 TEST(EventTest, WaitCancelled) {
   auto r = MakeReactor();
   Event e;
