@@ -178,12 +178,7 @@ absl::Status ConnectionImpl::Start(
       // FIN that raised DISCONNECTED): take them first, so that messages
       // sent before the peer closed are delivered, not lost.
       if (self->status_.ok() && !self->qp_->in_error()) {
-        transport::CompletionQueue* cq = self->qp_->cq();
-        transport::CompletionQueue* rcq = self->qp_->recv_cq();
-        for (int i = 0; i < 64; ++i) {
-          int n = cq->Poll();
-          if (rcq != cq) n += rcq->Poll();
-          if (n == 0) break;
+        for (int i = 0; i < 64 && self->qp_->PollCompletions() > 0; ++i) {
         }
       }
       if (self->peer_closed_)

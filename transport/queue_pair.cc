@@ -399,9 +399,7 @@ void QueuePair::OnOpDone() {
 void QueuePair::DrainSync(const std::function<bool()>& done) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (!done() && std::chrono::steady_clock::now() < deadline) {
-    int n = cq_->Poll();
-    if (rcq_ != cq_) n += rcq_->Poll();
-    if (n == 0) {
+    if (PollCompletions() == 0) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -451,7 +449,7 @@ void QueuePair::Abandon(std::string_view reason) {
   // buffer of its work requests; completions it already produced are
   // still in the CQ and are taken first, so none arrives after ours.
   qp_.reset();
-  while (cq_->Poll() + (rcq_ != cq_ ? rcq_->Poll() : 0) > 0) {
+  while (PollCompletions() > 0) {
   }
   ibv_wc wc{};
   wc.status = IBV_WC_WR_FLUSH_ERR;

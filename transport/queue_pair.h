@@ -324,7 +324,13 @@ class QueuePair final : private WrOwner {
   uint32_t qp_num() const { return qp_num_; }
   const DeviceCaps& caps() const { return cq_->device()->caps(); }
   CompletionQueue* cq() const { return cq_; }
-  CompletionQueue* recv_cq() const { return rcq_; }
+  // Polls this QP's CQ (and its receive CQ when that is another) once;
+  // the number of completions taken, of any QP on them.
+  int PollCompletions() {
+    int n = cq_->Poll();
+    if (rcq_ != cq_) n += rcq_->Poll();
+    return n;
+  }
   ProviderQp* provider() const { return qp_.get(); }
   bool in_error() const { return in_error_; }
   uint32_t send_capacity() const { return sq_capacity_; }
