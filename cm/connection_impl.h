@@ -157,6 +157,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<void> SendControl(MsgType type, uint32_t cookie, uint16_t flags,
                          std::vector<std::byte> payload);
   Task<void> SendCreditMessage();
+  // One credit message (kCredit with `flags`, carrying the credits owed)
+  // from `buf` into the peer's reserve receives; the caller checked that
+  // fewer than kCreditReserve are unacknowledged.
+  Task<absl::Status> SendCreditFrame(transport::BufferPool::Buffer& buf,
+                                     uint8_t flags);
   // Takes, in FIFO order, the right to post the next message: the send
   // turn, one credit and a send buffer. On success the caller holds the
   // turn and calls send_turn_.Release() right before it posts (nothing

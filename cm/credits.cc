@@ -24,21 +24,24 @@ Task<void> ConnectionImpl::SendCreditMessage() {
       break;
     }
     if (to_return_ == 0 || !status_.ok()) break;
-    size_t len = WriteFrame(buf->data(), kCredit, 0, 0, {});
-    ++credit_msgs_sent_;
-    ++stats_.credit_messages_sent;
-    transport::SendOptions so;
-    so.inline_data = len <= qp_->max_inline_data();
-    auto wc = co_await qp_->Send(buf->Local(len), so);
-    if (!wc.ok()) {
-      s = wc.status();
-      break;
-    }
+    s = co_await SendCreditFrame(*buf, 0);
+    if (!s.ok()) break;
     // Keep going only if a lot accumulated meanwhile.
     if (to_return_ < ReturnThreshold()) break;
   }
   credit_msg_running_ = false;
   FailInternalSend(s, "a credit message");
+}
+
+Task<absl::Status> ConnectionImpl::SendCreditFrame(
+    transport::BufferPool::Buffer& buf, uint8_t flags) {
+  size_t len = WriteFrame(buf.data(), kCredit, 0, flags, {});
+  ++credit_msgs_sent_;
+  ++stats_.credit_messages_sent;
+  transport::SendOptions so;
+  so.inline_data = len <= qp_->max_inline_data();
+  auto wc = co_await qp_->Send(buf.Local(len), so);
+  co_return wc.status();
 }
 
 void ConnectionImpl::MaybeSendCredits() {

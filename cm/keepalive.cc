@@ -23,13 +23,8 @@ Task<void> ConnectionImpl::SendKeepalive(uint8_t flags) {
       credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) {
     co_return;
   }
-  size_t len = WriteFrame(buf->data(), kCredit, 0, flags, {});
-  ++credit_msgs_sent_;
-  ++stats_.credit_messages_sent;
-  transport::SendOptions so;
-  so.inline_data = len <= qp_->max_inline_data();
-  auto wc = co_await qp_->Send(buf->Local(len), so);
-  FailInternalSend(wc.status(), "a keepalive message");
+  absl::Status s = co_await SendCreditFrame(*buf, flags);
+  FailInternalSend(s, "a keepalive message");
 }
 
 Task<void> ConnectionImpl::KeepaliveLoop() {
