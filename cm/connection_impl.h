@@ -248,7 +248,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t credit_msgs_sent_ = 0;
   uint32_t credit_msgs_acked_ = 0;
   bool credit_msg_running_ = false;
-  Event may_send_{false};
+  Event may_send_{false};  // iWARP passive side: set once the peer spoke
   // Set by the first message from the peer (or by a failure): the passive
   // side's accept waits for it (WaitPeerSpoke).
   Event peer_spoke_{false};
@@ -258,7 +258,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Keepalive: completions received so far, and the loop's wake-up (set
   // when the connection goes down).
   uint64_t rx_count_ = 0;
-  Event keepalive_wake_{false};  // iWARP passive side: set once the peer spoke
+  Event keepalive_wake_{false};
   std::deque<PendingRts*> pending_rts_;
   uint32_t next_cookie_ = 1;
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up

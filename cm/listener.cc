@@ -58,7 +58,6 @@ struct ConnectRequestState {
 // eviction can end it.
 struct PendingHandshake {
   std::stop_source stop;
-  std::string peer;
   bool evicted = false;
 };
 
@@ -81,12 +80,17 @@ struct ListenerState {
   LogLimiter reject_log{absl::Seconds(1)};
   LogLimiter error_log{absl::Seconds(1)};
 
+  // Changes the stats under their lock; pending and queued always follow
+  // the lists (NoteSizes after a list changed and nothing else did).
   template <typename F>
   void Update(F f) {
     std::lock_guard<std::mutex> lock(stats_mu);
     f(stats);
     stats.pending = pending.size();
     stats.queued = ready.size();
+  }
+  void NoteSizes() {
+    Update([](Listener::Stats&) {});
   }
 
   void Refuse(std::string_view peer, std::string_view reason) {
@@ -166,7 +170,7 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
     co_return;
   }
   st->ready.push_back(std::move(req));
-  st->Update([](Listener::Stats&) {});
+  st->NoteSizes();
   st->ready_event.Set();
 }
 
@@ -217,9 +221,8 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
       oldest->stop.request_stop();
     }
     auto pending = std::make_shared<PendingHandshake>();
-    pending->peer = PeerName(*req);
     st->pending.push_back(pending);
-    st->Update([](Listener::Stats&) {});
+    st->NoteSizes();
     st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
                              pending->stop.get_token());
   }
@@ -273,11 +276,9 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
     est = Annotate((*setup)->cq_error(), where);
   }
   if (!est.ok()) {
-    if (st.request->rejected()) {
-      CountReject(st, st.request->reject_reason());
-    } else if (auto l = st.listener.lock()) {
-      l->Refuse(PeerName(st), std::string(est.status().message()));
-    }
+    CountReject(st, st.request->rejected()
+                        ? st.request->reject_reason()
+                        : std::string(est.status().message()));
     co_return est.status();
   }
   auto conn = (*setup)->Start(st.peer, std::move(est->link));
@@ -351,7 +352,7 @@ Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
     if (!st->ready.empty()) {
       std::unique_ptr<ConnectRequestState> req = std::move(st->ready.front());
       st->ready.pop_front();
-      st->Update([](Stats&) {});
+      st->NoteSizes();
       if (st->ready.empty() && !st->closed) st->ready_event.Reset();
       co_return std::unique_ptr<ConnectRequest>(
           new ConnectRequest(std::move(req)));
