@@ -30,6 +30,7 @@
 #include "rpc/client.h"
 #include "rpc/server.h"
 #include "rpc/wire.h"
+#include "tests/cm/test_util.h"
 #include "tests/repeat.h"
 #include "transport/device.h"
 #include "transport/verbs/verbs_provider.h"
@@ -54,22 +55,8 @@ inline absl::Status StatusOf(const absl::Status& s) { return s; }
     }                                        \
   } while (0)
 
-std::vector<std::string> Providers() {
-  const char* env = std::getenv("COVERBS_PROVIDER");
-  if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
-    return {env};
-  }
-  std::vector<std::string> v = {"soft"};
-  if (transport::VerbsDevicesPresent()) v.push_back("verbs");
-  return v;
-}
-
-// 127.0.0.1 on the host (soft provider); in the VM the RDMA netdev's address.
-std::string TestAddress() {
-  if (const char* a = std::getenv("COVERBS_TEST_ADDR")) return a;
-  if (const char* a = std::getenv("COVERBS_VM_ADDR_A")) return a;
-  return "127.0.0.1";
-}
+using cm::Providers;
+using cm::TestAddress;
 
 std::vector<std::byte> Pattern(size_t n, uint32_t seed) {
   std::vector<std::byte> v(n);
