@@ -941,6 +941,12 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
   }(this));
 }
 
+// The cm_peer helper: COVERBS_CM_PEER, else its runfiles path.
+std::string PeerHelperPath() {
+  const char* helper = std::getenv("COVERBS_CM_PEER");
+  return helper ? helper : "tests/cm/cm_peer";
+}
+
 // Starts the cm_peer helper process against a listener (`mode`: "" or
 // "idle", see cm_peer.cc); -1 (and a test failure) if it cannot start.
 // posix_spawn, not fork: this process has threads (the soft provider's
@@ -961,9 +967,33 @@ pid_t SpawnPeer(std::string path, std::string provider, std::string addr,
   return pid;
 }
 
+// The cm_peer helper in "idle" mode, connected to a listener with `lo`
+// and accepted, its "ready" message read. The caller kills it.
+struct IdlePeer {
+  pid_t pid = -1;
+  std::unique_ptr<Connection> conn;
+};
+Task<absl::StatusOr<IdlePeer>> AcceptIdlePeer(CmTest* t, std::string path,
+                                              ListenerOptions lo) {
+  auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
+  if (!ln.ok()) co_return ln.status();
+  IdlePeer peer;
+  peer.pid = SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "idle");
+  if (peer.pid < 0) co_return absl::InternalError("posix_spawn " + path);
+  auto c = co_await (*ln)->Accept();
+  if (!c.ok()) {
+    kill(peer.pid, SIGKILL);
+    waitpid(peer.pid, nullptr, 0);
+    co_return c.status();
+  }
+  peer.conn = *std::move(c);
+  auto first = co_await peer.conn->Recv();  // its "ready"
+  EXPECT_TRUE(first.ok()) << first.status();
+  co_return std::move(peer);
+}
+
 TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
-  const char* helper = std::getenv("COVERBS_CM_PEER");
-  std::string path = helper ? helper : "tests/cm/cm_peer";
+  std::string path = PeerHelperPath();
   if (access(path.c_str(), X_OK) != 0) {
     GTEST_SKIP() << "peer helper binary not found at " << path;
   }
@@ -1021,8 +1051,7 @@ void StopProcess(pid_t pid) {
 }
 
 TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
-  const char* helper = std::getenv("COVERBS_CM_PEER");
-  std::string path = helper ? helper : "tests/cm/cm_peer";
+  std::string path = PeerHelperPath();
   if (access(path.c_str(), X_OK) != 0) {
     GTEST_SKIP() << "peer helper binary not found at " << path;
   }
@@ -1030,31 +1059,20 @@ TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
     ListenerOptions lo;
     lo.connection.keepalive_interval = absl::Milliseconds(100);
     lo.connection.keepalive_probes = 3;
-    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
-    CO_ASSERT_OK(ln);
-    pid_t pid =
-        SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "idle");
-    if (pid < 0) co_return;
-    auto c = co_await (*ln)->Accept();
-    if (!c.ok()) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      ADD_FAILURE() << c.status();
-      co_return;
-    }
-    auto first = co_await (*c)->Recv();
-    EXPECT_TRUE(first.ok()) << first.status();  // its "ready"
+    auto peer = co_await AcceptIdlePeer(t, path, lo);
+    CO_ASSERT_OK(peer);
+    pid_t pid = peer->pid;
     // Idle but alive: it answers the probes, for many intervals.
     co_await t->reactor_->Sleep(absl::Milliseconds(800));
-    EXPECT_TRUE((*c)->status().ok()) << (*c)->status();
-    EXPECT_GE((*c)->stats().credit_messages_sent, 3u);
+    EXPECT_TRUE(peer->conn->status().ok()) << peer->conn->status();
+    EXPECT_GE(peer->conn->stats().credit_messages_sent, 3u);
     // Frozen: its kernel (rxe/siw: the RNIC) still acknowledges, the
     // process answers nothing. rxe/siw: the unanswered probes fail it
     // (DeadlineExceeded); soft: the first probe's send already fails at the
     // soft RC transport timer (Unavailable, naming the keepalive message).
     StopProcess(pid);
     absl::Time start = absl::Now();
-    auto m = co_await (*c)->Recv();
+    auto m = co_await peer->conn->Recv();
     absl::Duration took = absl::Now() - start;
     EXPECT_TRUE(m.status().code() == absl::StatusCode::kDeadlineExceeded ||
                 m.status().code() == absl::StatusCode::kUnavailable)
@@ -1066,7 +1084,7 @@ TEST_P(CmTest, KeepaliveDetectsAFrozenPeer) {
     EXPECT_LT(took, absl::Seconds(10));
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    co_await (*c)->Close();
+    co_await peer->conn->Close();
   }(this, path));
 }
 
@@ -1076,8 +1094,7 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
                     "process: the transport never times out (keepalive "
                     "covers it, KeepaliveDetectsAFrozenPeer)";
   }
-  const char* helper = std::getenv("COVERBS_CM_PEER");
-  std::string path = helper ? helper : "tests/cm/cm_peer";
+  std::string path = PeerHelperPath();
   if (access(path.c_str(), X_OK) != 0) {
     GTEST_SKIP() << "peer helper binary not found at " << path;
   }
@@ -1085,24 +1102,13 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     ListenerOptions lo;
     lo.connection.qp.timeout = 14;   // 67 ms per attempt
     lo.connection.qp.retry_cnt = 2;  // 3 attempts: ~200 ms
-    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);
-    CO_ASSERT_OK(ln);
-    pid_t pid =
-        SpawnPeer(path, t->GetParam(), t->addr_, (*ln)->port(), "idle");
-    if (pid < 0) co_return;
-    auto c = co_await (*ln)->Accept();
-    if (!c.ok()) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      ADD_FAILURE() << c.status();
-      co_return;
-    }
-    auto first = co_await (*c)->Recv();
-    EXPECT_TRUE(first.ok()) << first.status();
+    auto peer = co_await AcceptIdlePeer(t, path, lo);
+    CO_ASSERT_OK(peer);
+    pid_t pid = peer->pid;
     StopProcess(pid);
     absl::Time start = absl::Now();
     auto msg = Pattern(100, 1);
-    absl::Status s = co_await (*c)->Send(msg);
+    absl::Status s = co_await peer->conn->Send(msg);
     absl::Duration took = absl::Now() - start;
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("RETRY_EXC_ERR"), std::string_view::npos) << s;
@@ -1110,7 +1116,7 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     EXPECT_LT(took, absl::Seconds(5));
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    co_await (*c)->Close();
+    co_await peer->conn->Close();
   }(this, path));
 }
 
