@@ -54,8 +54,22 @@ struct ConnectionOptions {
   // Receives posted for this connection = credits the peer gets. With
   // use_srq: the most the peer may hold (its window grows toward this).
   uint32_t recv_credits = 64;
-  // Payloads up to this size go eagerly (SEND/RECV); above, by rendezvous.
+  // Payloads up to this size go eagerly (SEND/RECV); above, by RDMA WRITE.
   size_t rendezvous_threshold = 8 * 1024;
+  // Medium messages (above rendezvous_threshold, up to landing_buffer_size)
+  // skip the rendezvous round trip once the peer has sent one: the receiver
+  // then keeps landing_buffers buffers of landing_buffer_size registered and
+  // granted to the sender ahead of time (in credit messages), each for one
+  // message -- its registration, and so its rkey, ends when that message
+  // arrives, and a fresh one is granted. The sender WRITEs straight in and
+  // posts a header behind it. With no grant free (yet, or all in flight) a
+  // medium message takes the rendezvous. Costs landing_buffers x
+  // landing_buffer_size of registered memory (4 MiB by default) per
+  // connection, and only once its peer sends medium messages; 0 buffers:
+  // always the rendezvous. Match landing_buffers to the medium messages the
+  // peer keeps in flight.
+  uint32_t landing_buffers = 32;
+  size_t landing_buffer_size = 128 * 1024;
   // Largest message accepted or sent (announced in the handshake).
   uint64_t max_message_size = 64ull << 20;
   // Send-queue depth: work requests posted at once (more wait, FIFO).
@@ -98,6 +112,7 @@ struct PeerInfo {
 namespace internal {
 class ConnectionImpl;
 class ConnectionSetup;
+class ConnectionTestPeer;
 class MessageBuffer;  // owner of a received message's memory
 }  // namespace internal
 
@@ -208,6 +223,8 @@ class Connection {
     uint64_t messages_sent = 0, messages_received = 0;
     uint64_t bytes_sent = 0, bytes_received = 0;  // message payloads
     uint64_t rendezvous_sent = 0, rendezvous_received = 0;
+    // Medium messages written into landing buffers (no rendezvous).
+    uint64_t landed_sent = 0, landed_received = 0;
     uint64_t credit_messages_sent = 0;
     uint64_t credit_waits = 0;  // sends that waited for a credit
     // Credits the peer may hold now (announced or owed, not yet spent), and
@@ -221,6 +238,7 @@ class Connection {
 
  private:
   friend class internal::ConnectionSetup;  // creates and starts Connections
+  friend class internal::ConnectionTestPeer;
   explicit Connection(std::shared_ptr<internal::ConnectionImpl> impl);
   std::shared_ptr<internal::ConnectionImpl> impl_;
 };

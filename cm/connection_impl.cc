@@ -61,6 +61,16 @@ absl::Status ConnectionImpl::Init() {
         absl::StrCat(name_, ": recv_credits must be in [2, 16384], got ",
                      options_.recv_credits));
   }
+  if (options_.landing_buffers > kMaxGrantsHeld ||
+      (options_.landing_buffers > 0 &&
+       (options_.landing_buffer_size <= options_.rendezvous_threshold ||
+        options_.landing_buffer_size > (64u << 20)))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: landing_buffers must be at most %d and landing_buffer_size "
+        "above rendezvous_threshold (%d) and at most 64 MiB; got %d x %d",
+        name_, kMaxGrantsHeld, options_.rendezvous_threshold,
+        options_.landing_buffers, options_.landing_buffer_size));
+  }
   if (options_.max_message_size == 0 ||
       options_.max_message_size > kMaxWireLength) {
     return absl::InvalidArgumentError(
@@ -269,6 +279,12 @@ void ConnectionImpl::Fail(absl::Status why) {
   rts_window_.Release(1 << 24);
   for (PendingRts* pr : pending_rts_) pr->cts.Set();
   pending_rts_.clear();
+  // Landing buffers granted to the peer: the QP is in error, so nothing
+  // writes them any more; deregistering ends their rkeys.
+  for (LargeBuffer* lb : granted_) delete lb;
+  granted_.clear();
+  grants_unsent_ = 0;
+  grants_.clear();
   // Rendezvous that will never finish.
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     if (!it->ready) {

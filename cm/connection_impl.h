@@ -2,7 +2,8 @@
 // concept: connection_impl.cc (set-up, start, failure, teardown), send.cc
 // (the send turn, eager and control messages), credits.cc (the credit
 // window), receive.cc (completions of receives, delivery), rendezvous.cc
-// (large messages), one_sided.cc (RDMA READ / WRITE / atomics).
+// (large messages), landing.cc (medium messages into granted buffers),
+// one_sided.cc (RDMA READ / WRITE / atomics).
 #ifndef COVERBS_CM_CONNECTION_IMPL_H_
 #define COVERBS_CM_CONNECTION_IMPL_H_
 
@@ -115,12 +116,23 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool Repost(RecvSlot* slot);
 
  private:
+  friend class ConnectionTestPeer;
   // Sends one small message (header + parts copied into a pooled buffer).
   Task<absl::Status> SendSmall(MsgType type, uint32_t cookie,
                                std::span<const std::span<const std::byte>> p,
                                const LocalBuffer* zero_copy = nullptr);
+  // Above the eager limit: takes the send turn, then writes into a landing
+  // buffer the peer granted if one fits (SendLanded), else the rendezvous
+  // (SendLarge); both run in that turn, which keeps Send order.
+  Task<absl::Status> SendBig(std::span<const std::span<const std::byte>> p,
+                             const LocalBuffer* registered, uint64_t total);
+  // Both hold the send turn and a credit from AcquireSend in `buf`.
   Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
-                               const LocalBuffer* registered);
+                               const LocalBuffer* registered,
+                               transport::BufferPool::Buffer& buf);
+  Task<absl::Status> SendLanded(std::span<const std::span<const std::byte>> p,
+                                const LocalBuffer* registered, uint64_t total,
+                                transport::BufferPool::Buffer& buf);
   // Rendezvous, sender side (rendezvous.cc): the payload's SGEs (`regs`
   // holds the registrations made for them), the RTS together with the
   // credit its completion will need, the CTS, the WRITE(s) and DONE. Each
@@ -129,7 +141,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                            const LocalBuffer* registered,
                            std::vector<MemoryRegion>& regs,
                            std::vector<LocalBuffer>& sges, uint64_t& total);
-  Task<absl::Status> PostRts(PendingRts& pr, uint64_t total);
+  Task<absl::Status> PostRts(PendingRts& pr, uint64_t total,
+                             transport::BufferPool::Buffer& buf);
   Task<absl::Status> AwaitCts(PendingRts& pr, uint64_t total);
   Task<absl::Status> WriteRendezvous(const PendingRts& pr,
                                      std::span<const LocalBuffer> sges,
@@ -149,6 +162,24 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool OnCts(RecvSlot* slot, const WireHeader& h);
   bool OnDone(const WireHeader& h);
   void OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc);
+  // Landing buffers (landing.cc). Receiver: a kLanded message, and keeping
+  // options_.landing_buffers granted once the peer sends medium messages.
+  // Sender: the grants a credit message carries.
+  bool OnLanded(RecvSlot* slot, const WireHeader& h);
+  void TopUpGrants();
+  // The peer announced a rendezvous of `length` bytes: if it could have
+  // landed, grant from now on.
+  void NoteMediumSize(uint64_t length);
+  // Unsent grants worth a credit message: a quarter of landing_buffers, or
+  // any when the peer holds at most a quarter.
+  bool GrantsDue() const;
+  bool TakeGrants(const RecvSlot* slot, const WireHeader& h);
+  // Writes the next unsent grants (at most kMaxGrantsPerMessage) to `out`;
+  // returns the bytes written.
+  size_t WriteGrants(std::span<std::byte> out);
+  // A registered buffer of landing_buffer_size to WRITE a copied payload
+  // from (the Context's pool, local access only).
+  Task<absl::StatusOr<transport::BufferPool::Buffer>> GetLandingStaging();
   // A buffer for an announced rendezvous, registered for the peer's WRITE;
   // nullptr when memory or the registration is not to be had.
   LargeBuffer* NewRendezvousBuffer(uint32_t length);
@@ -206,6 +237,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status OpError(const char* op, const absl::Status& s);
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
   absl::StatusOr<transport::BufferPool*> SendPool();
+  // The Context's pool of registered buffers of `size` bytes (shared by
+  // its connections; made with `count` buffers on first use).
+  absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count);
 
   Context& ctx_;
   std::unique_ptr<transport::QueuePair> qp_;
@@ -264,6 +298,19 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up
   uint64_t peer_max_ = 0;
   bool use_imm_ = false;
+
+  // Landing buffers, receiver side: granted to the peer (registered for
+  // its WRITE, oldest first; the last grants_unsent_ not yet announced),
+  // the sequence number of granted_.front(), and whether the peer sends
+  // medium messages (we grant from its first rendezvous on).
+  std::deque<LargeBuffer*> granted_;
+  uint32_t grants_unsent_ = 0;
+  uint32_t landing_seq_ = 0;
+  bool landing_on_ = false;
+  // Sender side: the peer's grants, oldest first, and the sequence number
+  // of grants_.front().
+  std::deque<GrantPayload> grants_;
+  uint32_t grant_seq_ = 0;
 
   // Teardown.
   absl::Status status_;  // non-OK once down

@@ -1,8 +1,9 @@
 // The credit window: receives reposted become credits owed to the peer,
-// returned on headers or by credit messages; with an SRQ, lent and taken
-// back as the peer's demand changes.
+// returned on headers or by credit messages (which also carry landing
+// grants); with an SRQ, lent and taken back as the peer's demand changes.
 
 #include <algorithm>
+#include <array>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -15,7 +16,7 @@ Task<void> ConnectionImpl::SendCreditMessage() {
   // Credit messages use the kCreditReserve receives the peer posted beyond
   // its credits, so returning credits never waits for credits.
   absl::Status s;
-  while (to_return_ > 0 && status_.ok() && !closing_ &&
+  while ((to_return_ > 0 || grants_unsent_ > 0) && status_.ok() && !closing_ &&
          credit_msgs_sent_ - credit_msgs_acked_ < kCreditReserve) {
     if (!may_send_.is_set()) break;
     auto buf = co_await GetSendBuffer();
@@ -23,11 +24,11 @@ Task<void> ConnectionImpl::SendCreditMessage() {
       s = buf.status();
       break;
     }
-    if (to_return_ == 0 || !status_.ok()) break;
+    if ((to_return_ == 0 && grants_unsent_ == 0) || !status_.ok()) break;
     s = co_await SendCreditFrame(*buf, 0);
     if (!s.ok()) break;
     // Keep going only if a lot accumulated meanwhile.
-    if (to_return_ < ReturnThreshold()) break;
+    if (to_return_ < ReturnThreshold() && !GrantsDue()) break;
   }
   credit_msg_running_ = false;
   FailInternalSend(s, "a credit message");
@@ -35,7 +36,14 @@ Task<void> ConnectionImpl::SendCreditMessage() {
 
 Task<absl::Status> ConnectionImpl::SendCreditFrame(
     transport::BufferPool::Buffer& buf, uint8_t flags) {
-  size_t len = WriteFrame(buf.data(), kCredit, 0, flags, {});
+  // Landing grants not yet announced ride along.
+  std::array<std::byte, kMaxGrantsPerMessage * kGrantSize> grants;
+  size_t room = std::min(grants.size(), buf.size() - kHeaderSize);
+  size_t n = grants_unsent_ > 0
+                 ? WriteGrants(std::span<std::byte>(grants.data(), room))
+                 : 0;
+  size_t len = WriteFrame(buf.data(), kCredit, 0, flags,
+                          std::span<const std::byte>(grants.data(), n));
   ++credit_msgs_sent_;
   ++stats_.credit_messages_sent;
   transport::SendOptions so;
@@ -46,7 +54,7 @@ Task<absl::Status> ConnectionImpl::SendCreditFrame(
 
 void ConnectionImpl::MaybeSendCredits() {
   if (credit_msg_running_ || !status_.ok() || closing_ || !started_) return;
-  if (to_return_ < ReturnThreshold()) return;
+  if (to_return_ < ReturnThreshold() && !GrantsDue()) return;
   if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
   credit_msg_running_ = true;
   SpawnInternal(SendCreditMessage());

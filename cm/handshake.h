@@ -38,7 +38,10 @@ inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 // 4: the active side always sends kHello first (every provider), so the
 //    passive side's accept completes only once the peer spoke: a peer that
 //    connects and then stays silent is dropped at the accept deadline.
-inline constexpr uint16_t kProtocolVersion = 4;
+// 5: landing grants in credit messages and kLanded (cm/wire.h): medium
+//    messages go by RDMA WRITE into buffers granted ahead of time, without
+//    the RTS/CTS round trip.
+inline constexpr uint16_t kProtocolVersion = 5;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 

@@ -41,8 +41,11 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       OnData(slot, h);
       break;
     case kCredit:
-      // Not a credit-bearing receive: repost without counting it.
+      // Not a credit-bearing receive: repost without counting it (after
+      // reading the grants it carries).
       ++credit_msgs_seen_;
+      ok = TakeGrants(slot, h);
+      if (!ok) break;
       Repost(slot);
       if (h.flags & kFlagPing) SpawnInternal(SendKeepalive(0));
       break;
@@ -64,6 +67,9 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
     case kDone:
       Consume(slot);
       ok = OnDone(h);
+      break;
+    case kLanded:
+      ok = OnLanded(slot, h);
       break;
     default:
       Protocol(absl::StrFormat("unknown message type %d", h.type));

@@ -1,6 +1,7 @@
 // Large messages (rendezvous): the sender's RTS, the receiver's CTS with
 // (addr, rkey) for a buffer registered for this transfer only, the sender's
-// RDMA WRITE(s) and DONE (or WRITE_WITH_IMM) in one post.
+// RDMA WRITE(s) and DONE (or WRITE_WITH_IMM) in one post. Medium messages
+// take this path only until landing buffers are granted (landing.cc).
 #include <arpa/inet.h>
 
 #include <algorithm>
@@ -18,15 +19,19 @@ namespace coverbs::cm::internal {
 
 Task<absl::Status> ConnectionImpl::SendLarge(
     std::span<const std::span<const std::byte>> parts,
-    const LocalBuffer* registered) {
+    const LocalBuffer* registered, transport::BufferPool::Buffer& buf) {
   std::vector<MemoryRegion> regs;  // until the WRITEs completed
   std::vector<LocalBuffer> sges;
   uint64_t total = 0;
   absl::Status s = PayloadSges(parts, registered, regs, sges, total);
-  if (!s.ok()) co_return s;
+  if (!s.ok()) {
+    if (status_.ok()) credits_.Release(1);
+    send_turn_.Release(1);
+    co_return s;
+  }
   PendingRts pr;
   pr.cookie = next_cookie_++;
-  s = co_await PostRts(pr, total);
+  s = co_await PostRts(pr, total, buf);
   if (!s.ok()) co_return s;
   s = co_await AwaitCts(pr, total);
   if (!s.ok()) co_return s;
@@ -60,12 +65,12 @@ void ConnectionImpl::Unreserve() {
   if (status_.ok()) credits_.Release(1);
 }
 
-Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total) {
-  // The RTS; its position in the credit queue fixes the message order.
-  auto buf = co_await AcquireSend();
-  if (!buf.ok()) co_return buf.status();
-  // Reserve, in the same turn, the credit the completion (DONE or
-  // WRITE_WITH_IMM, both consume a receive) will need: taken later, it
+Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total,
+                                           transport::BufferPool::Buffer& buf) {
+  // The RTS, in the send turn the caller holds with its credit: its place
+  // in that turn fixes the message order. Reserve, in the same turn, the
+  // credit the completion (DONE or WRITE_WITH_IMM, both consume a receive)
+  // will need: taken later, it
   // could wait forever behind messages that the receiver queued after
   // this rendezvous and cannot hand out until it completes.
   absl::Status s = co_await TakeCredit();
@@ -87,12 +92,12 @@ Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total) {
   }
   WireHeader h;
   FillHeader(h, kRts, static_cast<uint32_t>(total), pr.cookie, 0);
-  std::memcpy(buf->data(), &h, kHeaderSize);
+  std::memcpy(buf.data(), &h, kHeaderSize);
   pending_rts_.push_back(&pr);
   transport::SendOptions so;
   so.inline_data = kHeaderSize <= qp_->max_inline_data();
   send_turn_.Release(1);
-  auto wc = co_await qp_->Send(buf->Local(kHeaderSize), so);
+  auto wc = co_await qp_->Send(buf.Local(kHeaderSize), so);
   if (!wc.ok()) {
     auto it = std::find(pending_rts_.begin(), pending_rts_.end(), &pr);
     if (it != pending_rts_.end()) pending_rts_.erase(it);
@@ -223,6 +228,9 @@ bool ConnectionImpl::OnRts(const WireHeader& h) {
   ++stats_.rendezvous_received;
   ++stats_.messages_received;
   stats_.bytes_received += h.length;
+  // The peer sends medium messages: from now on keep landing buffers
+  // granted so that the next ones skip this round trip.
+  NoteMediumSize(h.length);
   std::vector<std::byte> cts(kCtsSize);
   uint16_t flags = 0;
   // Out of memory or registrations: the sender's Send fails, not the

@@ -87,13 +87,18 @@ ConnectionImpl::AcquireSend() {
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
+  return PoolOf(kHeaderSize + options_.rendezvous_threshold, 256);
+}
+
+absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
+                                                             size_t count) {
   ContextShared& sh = SharedOf(ctx_);
-  size_t size = kHeaderSize + options_.rendezvous_threshold;
+  size = (size + 63) & ~size_t{63};
   auto it = sh.send_pools.find(size);
   if (it != sh.send_pools.end()) return it->second.get();
   transport::BufferPool::Options po;
-  po.buffer_size = (size + 63) & ~size_t{63};
-  po.count = 256;
+  po.buffer_size = size;
+  po.count = count;
   po.access = IBV_ACCESS_LOCAL_WRITE;
   auto pool = transport::BufferPool::Create(ctx_.pd(), po);
   if (!pool.ok()) return pool.status();
@@ -219,7 +224,7 @@ Task<absl::Status> ConnectionImpl::SendParts(
   if (total <= options_.rendezvous_threshold) {
     co_return co_await SendSmall(kData, 0, parts);
   }
-  co_return co_await SendLarge(parts, nullptr);
+  co_return co_await SendBig(parts, nullptr, total);
 }
 
 Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
@@ -233,7 +238,7 @@ Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
   if (b.length <= options_.rendezvous_threshold) {
     co_return co_await SendSmall(kData, 0, {}, &b);
   }
-  co_return co_await SendLarge({}, &b);
+  co_return co_await SendBig({}, &b, b.length);
 }
 
 }  // namespace coverbs::cm::internal

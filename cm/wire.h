@@ -19,8 +19,13 @@ enum MsgType : uint8_t {
   kDone = 5,     // rendezvous data written (or aborted: kFlagAborted)
   kHello = 6,    // the active side's first message (protocol 4)
   kGoodbye = 7,  // orderly close: no more messages follow
+  // A medium message written by RDMA WRITE into a landing buffer the
+  // receiver granted ahead of time (protocol 5): length = bytes written,
+  // cookie = the grant's sequence number. Posted right after its WRITE, so
+  // RC ordering places the data first; spends a credit like kData.
+  kLanded = 8,
 };
-inline constexpr uint8_t kMaxMsgType = kGoodbye;
+inline constexpr uint8_t kMaxMsgType = kLanded;
 
 inline constexpr uint8_t kFlagRefused = 1;  // kCts: no buffer for this size
 inline constexpr uint8_t kFlagAborted = 2;  // kDone: the sender gave up
@@ -50,6 +55,23 @@ struct CtsPayload {
 };
 inline constexpr size_t kCtsSize = 16;
 static_assert(sizeof(CtsPayload) == kCtsSize);
+
+// Landing grants (protocol 5) travel as the payload of kCredit messages:
+// a buffer of `size` bytes at `addr`, writable with `rkey` for one message
+// only (its registration ends when the kLanded naming it arrives). The
+// sender uses grants in the order they came; the i-th grant ever sent on a
+// connection has sequence number i (wrapping).
+struct GrantPayload {
+  uint64_t addr;
+  uint32_t rkey;
+  uint32_t size;
+};
+inline constexpr size_t kGrantSize = 16;
+static_assert(sizeof(GrantPayload) == kGrantSize);
+// Grants in one credit message, and grants a sender keeps unused: a peer
+// that sends more breaks the protocol (bounded memory for hostile peers).
+inline constexpr uint32_t kMaxGrantsPerMessage = 32;
+inline constexpr uint32_t kMaxGrantsHeld = 256;
 
 // Receives posted beyond the credits, for credit messages.
 inline constexpr uint32_t kCreditReserve = 2;
@@ -89,6 +111,21 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
       if (payload != kCtsSize || h.length != kCtsSize) {
         return absl::DataLossError(
             absl::StrFormat("malformed rendezvous grant (%d bytes)", payload));
+      }
+      break;
+    case kCredit:
+      if (h.length != payload || payload % kGrantSize != 0 ||
+          payload / kGrantSize > kMaxGrantsPerMessage) {
+        return absl::DataLossError(absl::StrFormat(
+            "malformed credit message (%d bytes, %d announced)", payload,
+            h.length));
+      }
+      break;
+    case kLanded:
+      if (payload != 0 || h.length == 0) {
+        return absl::DataLossError(absl::StrFormat(
+            "malformed landed message (size %d, %d extra bytes)", h.length,
+            payload));
       }
       break;
     default:

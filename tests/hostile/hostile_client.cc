@@ -243,7 +243,7 @@ int RunTcp(const Options& o) {
 }
 
 std::string ValidHandshake() {
-  // cm/handshake.h: magic "CVB1", version 4, app_data_len 0, caps 0,
+  // cm/handshake.h: magic "CVB1", version 5 (kProtocolVersion), app_data_len 0, caps 0,
   // credits 4, recv_buffer_size 8208, max_credits 4, max_message_size 1 MiB.
   std::string h(32, '\0');
   auto put32 = [&h](size_t off, uint32_t v) {
@@ -253,7 +253,7 @@ std::string ValidHandshake() {
     std::memcpy(h.data() + off, &v, 2);
   };
   put32(0, 0x31425643);
-  put16(4, 4);
+  put16(4, 5);
   put16(6, 0);
   put32(8, 0);
   put32(12, 4);

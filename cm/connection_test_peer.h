@@ -1,0 +1,26 @@
+// Internal, for tests (//cm:internal): what a Connection keeps to itself,
+// read by tests that must act as a misbehaving peer would (e.g. reuse an
+// rkey after its message).
+#ifndef COVERBS_CM_CONNECTION_TEST_PEER_H_
+#define COVERBS_CM_CONNECTION_TEST_PEER_H_
+
+#include <vector>
+
+#include "cm/connection.h"
+#include "cm/connection_impl.h"
+#include "cm/wire.h"
+
+namespace coverbs::cm::internal {
+
+class ConnectionTestPeer {
+ public:
+  // The landing grants `c` holds from its peer (sender side), oldest first:
+  // the next medium Send writes into the first.
+  static std::vector<GrantPayload> Grants(const Connection& c) {
+    return {c.impl_->grants_.begin(), c.impl_->grants_.end()};
+  }
+};
+
+}  // namespace coverbs::cm::internal
+
+#endif  // COVERBS_CM_CONNECTION_TEST_PEER_H_
