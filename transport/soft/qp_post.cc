@@ -1,0 +1,190 @@
+// QpCore's application side (any thread): PostSend / PostRecv check each
+// work request like verbs and copy it into the send ring (the receive ring
+// for PostRecv), SetError marks the QP, and each of them kicks the progress
+// thread. Nothing here touches the socket.
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "absl/strings/str_format.h"
+#include "transport/soft/engine.h"
+#include "transport/soft/qp_core.h"
+#include "transport/soft/qp_internal.h"
+
+namespace coverbs::transport::soft {
+
+absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
+  switch (wr.opcode) {
+    case IBV_WR_SEND:
+    case IBV_WR_SEND_WITH_IMM:
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+    case IBV_WR_RDMA_READ:
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post send on qp %u: opcode %d not supported (EINVAL)",
+          qp_num(), static_cast<int>(wr.opcode)));
+  }
+  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > max_send_sge_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post send on qp %u: num_sge %d exceeds max_send_sge %u "
+        "(EINVAL)",
+        qp_num(), wr.num_sge, max_send_sge_));
+  }
+  if (wr.num_sge > 0 && wr.sg_list == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post send on qp %u: null sg_list (EINVAL)", qp_num()));
+  }
+  uint64_t total = 0;
+  for (int i = 0; i < wr.num_sge; ++i) total += wr.sg_list[i].length;
+  if (total > kMaxMessage) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post send on qp %u: message of %u bytes exceeds 2 GiB (EINVAL)",
+        qp_num(), total));
+  }
+  if (IsAtomic(wr.opcode) &&
+      (wr.num_sge != 1 || wr.sg_list[0].length != 8)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post send on qp %u: an atomic needs one 8-byte SGE (EINVAL)",
+        qp_num()));
+  }
+  if ((wr.send_flags & IBV_SEND_INLINE) != 0) {
+    if (wr.opcode == IBV_WR_RDMA_READ || IsAtomic(wr.opcode)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post send on qp %u: IBV_SEND_INLINE on a READ or atomic "
+          "(EINVAL)",
+          qp_num()));
+    }
+    if (total > max_inline_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "soft: post send on qp %u: inline message of %u bytes exceeds "
+          "max_inline_data %u (EINVAL)",
+          qp_num(), total, max_inline_));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
+                         uint64_t index) {
+  size_t i = index % sq_cap_;
+  SendWqe& w = sq_[i];
+  w.wr_id = wr.wr_id;
+  w.opcode = static_cast<uint8_t>(wr.opcode);
+  w.status = IBV_WC_SUCCESS;
+  w.rnr_retries = 0;
+  w.signaled = cfg_.init.sq_sig_all || (wr.send_flags & IBV_SEND_SIGNALED);
+  w.solicited = (wr.send_flags & IBV_SEND_SOLICITED) != 0;
+  w.inlined = (wr.send_flags & IBV_SEND_INLINE) != 0;
+  w.num_sge = static_cast<uint32_t>(wr.num_sge);
+  w.imm = (wr.opcode == IBV_WR_SEND_WITH_IMM ||
+           wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM)
+              ? wr.imm_data
+              : 0;
+  w.remote_addr = 0;
+  w.rkey = 0;
+  w.compare_add = 0;
+  w.swap = 0;
+  if (IsAtomic(wr.opcode)) {
+    w.remote_addr = wr.wr.atomic.remote_addr;
+    w.rkey = wr.wr.atomic.rkey;
+    w.compare_add = wr.wr.atomic.compare_add;
+    w.swap = wr.wr.atomic.swap;
+  } else if (wr.opcode != IBV_WR_SEND && wr.opcode != IBV_WR_SEND_WITH_IMM) {
+    w.remote_addr = wr.wr.rdma.remote_addr;
+    w.rkey = wr.wr.rdma.rkey;
+  }
+  w.total = 0;
+  if (w.inlined) {
+    // Copied now: the buffer is the caller's again when PostSend returns.
+    char* dst = sq_inline_.data() + i * max_inline_;
+    for (int k = 0; k < wr.num_sge; ++k) {
+      const ibv_sge& sge = wr.sg_list[k];
+      if (sge.length == 0) continue;
+      std::memcpy(dst + w.total, reinterpret_cast<const void*>(sge.addr),
+                  sge.length);
+      w.total += sge.length;
+    }
+    return;
+  }
+  bool nic_writes = wr.opcode == IBV_WR_RDMA_READ || IsAtomic(wr.opcode);
+  for (int k = 0; k < wr.num_sge; ++k) {
+    const ibv_sge& sge = wr.sg_list[k];
+    size_t j = i * max_send_sge_ + k;
+    sq_sge_[j] = sge;
+    w.total += sge.length;
+    if (sge.length == 0) {
+      sq_mr_[j].reset();
+      continue;
+    }
+    const std::shared_ptr<MrEntry>* mr =
+        CheckLocalSge(table, cfg_.pd_id, sge, nic_writes);
+    if (mr == nullptr) {
+      w.status = IBV_WC_LOC_PROT_ERR;
+      sq_mr_[j].reset();
+    } else {
+      sq_mr_[j] = *mr;
+    }
+  }
+}
+
+absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
+  int st = state_.load(std::memory_order_acquire);
+  if (st != IBV_QPS_RTS && st != IBV_QPS_ERR) {
+    if (bad) *bad = wr;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post send on qp %u: QP is not connected (state %d) (EINVAL)",
+        qp_num(), st));
+  }
+  absl::Status status;
+  bool posted = false;
+  {
+    MrTable::Reader table(MrTable::Get());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (; wr != nullptr; wr = wr->next) {
+      status = CheckSendWr(*wr);
+      if (status.ok() && sq_head_ - sq_tail_ >= sq_cap_) {
+        status = absl::ResourceExhaustedError(absl::StrFormat(
+            "soft: post send on qp %u: send queue full (%u WRs) (ENOMEM)",
+            qp_num(), sq_cap_));
+      }
+      if (!status.ok()) {
+        if (bad) *bad = wr;
+        break;
+      }
+      FillSendWqe(table, *wr, sq_head_);
+      ++sq_head_;
+      posted = true;
+    }
+  }
+  if (posted) Kick();
+  return status;
+}
+
+absl::Status QpCore::PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  if (!rq_) {
+    if (bad) *bad = wr;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "soft: post recv on qp %u: the QP receives from an SRQ (EINVAL)",
+        qp_num()));
+  }
+  absl::Status s = rq_->Post(wr, bad, qp_num());
+  // A QP in error flushes what is posted to it.
+  if (state_.load() == IBV_QPS_ERR) Kick();
+  return s;
+}
+
+void QpCore::RequestError() {
+  error_requested_.store(true);
+  state_.store(IBV_QPS_ERR);
+  Kick();
+}
+
+void QpCore::Kick() {
+  if (!kicked_.exchange(true)) engine_->Kick(this);
+}
+
+}  // namespace coverbs::transport::soft
