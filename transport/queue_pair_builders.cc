@@ -1,0 +1,205 @@
+// The operation builders of QueuePair (Send, Recv, Write, WriteWithImm,
+// Read, CompareSwap, FetchAdd, PostBatch) and SendBatch's Add*: each turns
+// its arguments into an internal_qp::OpSpec -- the work request to post and
+// the checks that fail it before posting (SGE limits, inline size, what the
+// device supports). internal_qp::OpBase (queue_pair_op.cc) posts it.
+#include <arpa/inet.h>
+
+#include "absl/strings/str_format.h"
+#include "transport/queue_pair.h"
+
+namespace coverbs::transport {
+
+// ---------------------------------------------------------------------------
+// SendBatch
+
+void SendBatch::AddSend(LocalBuffer buf, std::optional<uint32_t> imm) {
+  ibv_send_wr wr{};
+  wr.opcode = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+void SendBatch::AddWrite(LocalBuffer buf, RemoteRegion remote,
+                         std::optional<uint32_t> imm) {
+  ibv_send_wr wr{};
+  wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+void SendBatch::AddRead(LocalBuffer buf, RemoteRegion remote) {
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_RDMA_READ;
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  wr.num_sge = 1;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
+// ---------------------------------------------------------------------------
+// QueuePair: operation builders
+
+void QueuePair::LimitSges(internal_qp::OpSpec& spec, const char* limit_name,
+                          uint32_t limit) const {
+  if (spec.bufs.size() > limit) {
+    spec.error = absl::InvalidArgumentError(
+        absl::StrFormat("%s on QP 0x%x: %u SGEs exceed %s %u", spec.name,
+                        qp_num_, spec.bufs.size(), limit_name, limit));
+  }
+}
+
+QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
+                              SendOptions o) {
+  internal_qp::OpSpec spec;
+  spec.name = o.imm ? "SEND_WITH_IMM" : "SEND";
+  spec.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+  spec.bufs = bufs;
+  spec.imm = o.imm;
+  spec.send_flags = (o.inline_data ? IBV_SEND_INLINE : 0) |
+                    (o.fence ? IBV_SEND_FENCE : 0);
+  if (o.imm && !caps().send_with_imm) {
+    spec.error = absl::UnimplementedError(absl::StrFormat(
+        "SEND_WITH_IMM on QP 0x%x: %s (%s) has no immediate data", qp_num_,
+        caps().device_name, TransportKindName(caps().transport)));
+  }
+  if (o.inline_data) {
+    uint64_t total = 0;
+    for (const LocalBuffer& b : bufs) total += b.length;
+    if (total > max_inline_) {
+      spec.error = absl::InvalidArgumentError(absl::StrFormat(
+          "inline SEND on QP 0x%x: %u bytes exceed the QP's max_inline_data "
+          "of %u",
+          qp_num_, total, max_inline_));
+    }
+  }
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Recv(std::span<const LocalBuffer> bufs) {
+  internal_qp::OpSpec spec;
+  spec.name = "RECV";
+  spec.recv = true;
+  spec.bufs = bufs;
+  LimitSges(spec, "max_recv_sge", options_.max_recv_sge);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Write(std::span<const LocalBuffer> bufs,
+                               RemoteRegion remote) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_WRITE";
+  spec.opcode = IBV_WR_RDMA_WRITE;
+  spec.bufs = bufs;
+  spec.remote = remote;
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::WriteWithImm(LocalBuffer buf, RemoteRegion remote,
+                                      uint32_t imm) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_WRITE_WITH_IMM";
+  spec.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+  spec.bufs = std::span<const LocalBuffer>(&buf, 1);
+  spec.remote = remote;
+  spec.imm = imm;
+  if (!caps().write_with_imm) {
+    spec.error = absl::UnimplementedError(absl::StrFormat(
+        "RDMA_WRITE_WITH_IMM on QP 0x%x: %s (%s) does not support it",
+        qp_num_, caps().device_name, TransportKindName(caps().transport)));
+  }
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
+                              RemoteRegion remote) {
+  internal_qp::OpSpec spec;
+  spec.name = "RDMA_READ";
+  spec.opcode = IBV_WR_RDMA_READ;
+  spec.bufs = bufs;
+  spec.remote = remote;
+  uint32_t max_rd = caps().max_sge_rd ? caps().max_sge_rd : caps().max_sge;
+  if (bufs.size() > max_rd) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "RDMA_READ on QP 0x%x: %u SGEs exceed the device's max_sge_rd %u "
+        "(%s)",
+        qp_num_, bufs.size(), max_rd, caps().device_name));
+  }
+  LimitSges(spec, "max_send_sge", options_.max_send_sge);
+  return Op(this, spec);
+}
+
+namespace {
+absl::Status AtomicPrecheck(const DeviceCaps& caps, uint32_t qpn,
+                            const char* name, LocalBuffer result,
+                            RemoteRegion remote) {
+  if (!caps.atomics) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "%s on QP 0x%x: %s does not support atomic operations", name, qpn,
+        caps.device_name));
+  }
+  if (result.length != 8) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s on QP 0x%x: the result buffer must be 8 bytes, not %u", name, qpn,
+        result.length));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+QueuePair::Op QueuePair::CompareSwap(LocalBuffer result, RemoteRegion remote,
+                                     uint64_t compare, uint64_t swap) {
+  internal_qp::OpSpec spec;
+  spec.name = "ATOMIC_CMP_AND_SWP";
+  spec.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+  spec.bufs = std::span<const LocalBuffer>(&result, 1);
+  spec.remote = remote;
+  spec.compare_add = compare;
+  spec.swap = swap;
+  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::FetchAdd(LocalBuffer result, RemoteRegion remote,
+                                  uint64_t add) {
+  internal_qp::OpSpec spec;
+  spec.name = "ATOMIC_FETCH_AND_ADD";
+  spec.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+  spec.bufs = std::span<const LocalBuffer>(&result, 1);
+  spec.remote = remote;
+  spec.compare_add = add;
+  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
+  return Op(this, spec);
+}
+
+QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
+  internal_qp::OpSpec spec;
+  spec.name = "batch";
+  spec.batch = &batch;
+  if (batch.size() == 0) {
+    spec.error = absl::InvalidArgumentError("PostBatch: the batch is empty");
+  }
+  for (const ibv_send_wr& wr : batch.wrs_) {
+    bool imm = wr.opcode == IBV_WR_SEND_WITH_IMM ||
+               wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
+    if (imm && ((wr.opcode == IBV_WR_SEND_WITH_IMM && !caps().send_with_imm) ||
+                (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM &&
+                 !caps().write_with_imm))) {
+      spec.error = absl::UnimplementedError(absl::StrFormat(
+          "batch on QP 0x%x: %s does not support %s", qp_num_,
+          caps().device_name, WrOpcodeName(wr.opcode)));
+    }
+  }
+  return Op(this, spec);
+}
+
+}  // namespace coverbs::transport

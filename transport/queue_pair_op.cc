@@ -1,0 +1,165 @@
+// internal_qp::OpBase: one operation as an awaitable in the coroutine
+// frame. The work request built from its OpSpec, posting when the
+// coroutine suspends (QueuePair::Start), cancellation by stop token, the
+// completion that turns an ibv_wc into the awaited StatusOr<WorkCompletion>
+// and resumes the coroutine, and a destructor that never lets the NIC
+// complete into a destroyed frame.
+#include <arpa/inet.h>
+
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "core/log.h"
+#include "transport/queue_pair.h"
+
+namespace coverbs::transport {
+namespace internal_qp {
+
+OpBase::OpBase(QueuePair* qp, const OpSpec& spec)
+    : qp_(qp), is_recv_(spec.recv), name_(spec.name), qp_num_(qp->qp_num()) {
+  early_ = spec.error;
+  for (const LocalBuffer& b : spec.bufs) sges_.push_back(b.sge());
+  if (spec.batch != nullptr) {
+    batch_ = spec.batch;
+    slots_ = static_cast<uint32_t>(spec.batch->size());
+    return;
+  }
+  if (is_recv_) {
+    rwr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+    return;
+  }
+  swr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+  swr_.opcode = spec.opcode;
+  swr_.send_flags = spec.send_flags | IBV_SEND_SIGNALED;
+  if (spec.imm) swr_.imm_data = htonl(*spec.imm);
+  switch (spec.opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+    case IBV_WR_RDMA_READ:
+      swr_.wr.rdma.remote_addr = spec.remote.addr;
+      swr_.wr.rdma.rkey = spec.remote.rkey;
+      break;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      swr_.wr.atomic.remote_addr = spec.remote.addr;
+      swr_.wr.atomic.rkey = spec.remote.rkey;
+      swr_.wr.atomic.compare_add = spec.compare_add;
+      swr_.wr.atomic.swap = spec.swap;
+      break;
+    default:
+      break;
+  }
+}
+
+OpBase::~OpBase() {
+  cb_.reset();
+  if (completed_) return;
+  // The frame is being destroyed while the operation is pending (reactor
+  // shutdown). Never let the NIC complete into freed memory: withdraw it if
+  // it was not posted, else flush the QP and wait for this completion.
+  destroying_ = true;
+  if (!posted_) {
+    if (linked()) {
+      (is_recv_ ? qp_->recv_waiters_ : qp_->send_waiters_).erase(this);
+    }
+    return;
+  }
+  qp_->DrainSync([this] { return completed_; });
+  // Still no completion (a device that lost the WR): destroying the QP is
+  // the only way to be sure the NIC no longer touches this frame's buffers.
+  if (!completed_) qp_->Abandon("an operation's frame was destroyed");
+}
+
+bool OpBase::Suspend(std::coroutine_handle<> h, std::stop_token token) {
+  waiter_ = h;
+  reactor_ = qp_->cq_->reactor();
+  if (token.stop_requested()) {
+    cancelled_ = true;
+    early_ = absl::CancelledError(
+        absl::StrFormat("%s on QP 0x%x cancelled before it was posted", name_,
+                        qp_num_));
+    completed_ = true;
+    return false;
+  }
+  if (!qp_->Start(this)) return false;  // finished synchronously
+  if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
+  return true;
+}
+
+void OpBase::Canceller::operator()() const noexcept {
+  op->cancelled_.store(true, std::memory_order_release);
+  Reactor* r = op->reactor_;
+  if (r->InLoopThread()) {
+    op->qp_->CancelOp(op);
+    return;
+  }
+  // Another thread: the op may complete meanwhile, so the posted request
+  // must not touch it; flushing the QP is what cancellation means anyway.
+  std::weak_ptr<QueuePair*> alive = op->qp_->alive_;
+  r->Post([alive] {
+    if (std::shared_ptr<QueuePair*> qp = alive.lock(); qp && *qp) {
+      (*qp)->SetError("an operation was cancelled from another thread")
+          .IgnoreError();
+    }
+  });
+}
+
+void OpBase::Fail(absl::Status s) {
+  early_ = std::move(s);
+  completed_ = true;
+  Resume();
+}
+
+void OpBase::Resume() {
+  if (!destroying_) reactor_->Schedule(waiter_);
+}
+
+void OpBase::OnCompletion(const ibv_wc& wc) {
+  if (completed_) {
+    // A second completion for a finished WR (a device bug): counting it
+    // again would corrupt the QP's accounting and resume the waiter twice.
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x: a second completion (%s) for %s, which already "
+                "completed; ignored",
+                qp_num_, WcStatusName(wc.status), name_);
+    return;
+  }
+  if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
+  if (!(wc.wr_id & 1)) {  // a non-terminal WR of a batch (errors only)
+    ++nonterminal_seen_;
+    return;
+  }
+  wc_ = wc;
+  completed_ = true;
+  const ibv_wc& w = first_error_ ? *first_error_ : wc_;
+  if (w.status != IBV_WC_SUCCESS) {
+    if (cancelled_.load(std::memory_order_acquire) &&
+        w.status == IBV_WC_WR_FLUSH_ERR) {
+      early_ = absl::CancelledError(absl::StrFormat(
+          "%s on QP 0x%x cancelled: the QP was moved to the error state to "
+          "take the work request back from the NIC",
+          name_, qp_num_));
+    } else {
+      early_ = WcError(w.status, w.vendor_err, name_, qp_num_,
+                       qp_->caps().device_name);
+    }
+  }
+  qp_->Release(this);
+  Resume();
+}
+
+absl::StatusOr<WorkCompletion> OpBase::await_resume() {
+  cb_.reset();
+  if (!early_.ok()) return early_;
+  WorkCompletion out;
+  out.opcode = wc_.opcode;
+  out.byte_len = wc_.byte_len;
+  if (wc_.wc_flags & IBV_WC_WITH_IMM) out.imm = ntohl(wc_.imm_data);
+  out.qp_num = wc_.qp_num;
+  return out;
+}
+
+}  // namespace internal_qp
+
+}  // namespace coverbs::transport
