@@ -17,6 +17,24 @@
 #include "core/timeout.h"
 
 namespace coverbs::transport {
+namespace {
+
+// Posts one receive whose completion goes to `h`, on a QP's own receive
+// queue (ProviderQp) or a shared one (ProviderSrq).
+template <typename ReceiveQueue>
+absl::Status PostHandlerRecv(ReceiveQueue& queue, RecvHandler* h,
+                             std::span<const LocalBuffer> bufs) {
+  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
+  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
+  ibv_recv_wr wr{};
+  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
+  wr.sg_list = sges.data();
+  wr.num_sge = static_cast<int>(sges.size());
+  ibv_recv_wr* bad = nullptr;
+  return queue.PostRecv(&wr, &bad);
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // RecvHandler
@@ -75,14 +93,7 @@ absl::Status SharedReceiveQueue::PostRecv(RecvHandler* h,
     return absl::ResourceExhaustedError(absl::StrFormat(
         "RECV on SRQ: all %u receives are posted", max_wr_));
   }
-  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
-  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
-  ibv_recv_wr wr{};
-  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
-  wr.sg_list = sges.data();
-  wr.num_sge = static_cast<int>(sges.size());
-  ibv_recv_wr* bad = nullptr;
-  absl::Status s = srq_->PostRecv(&wr, &bad);
+  absl::Status s = PostHandlerRecv(*srq_, h, bufs);
   if (!s.ok()) return s;
   h->srq_ = this;
   h->qp_ = nullptr;
@@ -453,14 +464,7 @@ absl::Status QueuePair::PostRecv(RecvHandler* h,
         "RECV on QP 0x%x: the receive queue (%u) is full", qp_num_,
         rq_capacity_));
   }
-  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
-  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
-  ibv_recv_wr wr{};
-  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
-  wr.sg_list = sges.data();
-  wr.num_sge = static_cast<int>(sges.size());
-  ibv_recv_wr* bad = nullptr;
-  absl::Status s = qp_->PostRecv(&wr, &bad);
+  absl::Status s = PostHandlerRecv(*qp_, h, bufs);
   if (!s.ok()) return s;
   h->qp_ = this;
   posted_handlers_.push_back(h);

@@ -9,38 +9,76 @@
 #include "transport/queue_pair.h"
 
 namespace coverbs::transport {
+namespace {
+
+// One WR of a SendBatch; PostNow fills in wr_id, the SGE, the flags and the
+// chain. `remote` is unused (zero) for a SEND.
+ibv_send_wr BatchWr(ibv_wr_opcode opcode, RemoteRegion remote,
+                    std::optional<uint32_t> imm) {
+  ibv_send_wr wr{};
+  wr.opcode = opcode;
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.wr.rdma.remote_addr = remote.addr;
+  wr.wr.rdma.rkey = remote.rkey;
+  wr.num_sge = 1;
+  return wr;
+}
+
+// What every builder fills in first: the operation's name and opcode, its
+// local buffers and (one-sided operations) the remote region.
+internal_qp::OpSpec MakeSpec(const char* name, ibv_wr_opcode opcode,
+                             std::span<const LocalBuffer> bufs,
+                             RemoteRegion remote = {}) {
+  internal_qp::OpSpec spec;
+  spec.name = name;
+  spec.opcode = opcode;
+  spec.bufs = bufs;
+  spec.remote = remote;
+  return spec;
+}
+
+// CompareSwap and FetchAdd: the original remote value lands in `result`,
+// which must be 8 bytes, on a device with atomics. `result` is referenced
+// by the spec: it must outlive the Op built from it.
+internal_qp::OpSpec AtomicSpec(const DeviceCaps& caps, uint32_t qpn,
+                               const char* name, ibv_wr_opcode opcode,
+                               const LocalBuffer& result, RemoteRegion remote,
+                               uint64_t compare_add, uint64_t swap) {
+  internal_qp::OpSpec spec =
+      MakeSpec(name, opcode, std::span<const LocalBuffer>(&result, 1), remote);
+  spec.compare_add = compare_add;
+  spec.swap = swap;
+  if (!caps.atomics) {
+    spec.error = absl::UnimplementedError(
+        absl::StrFormat("%s on QP 0x%x: %s does not support atomic operations",
+                        name, qpn, caps.device_name));
+  } else if (result.length != 8) {
+    spec.error = absl::InvalidArgumentError(absl::StrFormat(
+        "%s on QP 0x%x: the result buffer must be 8 bytes, not %u", name, qpn,
+        result.length));
+  }
+  return spec;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // SendBatch
 
 void SendBatch::AddSend(LocalBuffer buf, std::optional<uint32_t> imm) {
-  ibv_send_wr wr{};
-  wr.opcode = imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
-  if (imm) wr.imm_data = htonl(*imm);
-  wr.num_sge = 1;
-  wrs_.push_back(wr);
+  wrs_.push_back(BatchWr(imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND, {}, imm));
   sges_.push_back(buf.sge());
 }
 
 void SendBatch::AddWrite(LocalBuffer buf, RemoteRegion remote,
                          std::optional<uint32_t> imm) {
-  ibv_send_wr wr{};
-  wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-  if (imm) wr.imm_data = htonl(*imm);
-  wr.wr.rdma.remote_addr = remote.addr;
-  wr.wr.rdma.rkey = remote.rkey;
-  wr.num_sge = 1;
-  wrs_.push_back(wr);
+  wrs_.push_back(BatchWr(imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE,
+                         remote, imm));
   sges_.push_back(buf.sge());
 }
 
 void SendBatch::AddRead(LocalBuffer buf, RemoteRegion remote) {
-  ibv_send_wr wr{};
-  wr.opcode = IBV_WR_RDMA_READ;
-  wr.wr.rdma.remote_addr = remote.addr;
-  wr.wr.rdma.rkey = remote.rkey;
-  wr.num_sge = 1;
-  wrs_.push_back(wr);
+  wrs_.push_back(BatchWr(IBV_WR_RDMA_READ, remote, std::nullopt));
   sges_.push_back(buf.sge());
 }
 
@@ -58,10 +96,9 @@ void QueuePair::LimitSges(internal_qp::OpSpec& spec, const char* limit_name,
 
 QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
                               SendOptions o) {
-  internal_qp::OpSpec spec;
-  spec.name = o.imm ? "SEND_WITH_IMM" : "SEND";
-  spec.opcode = o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
-  spec.bufs = bufs;
+  internal_qp::OpSpec spec =
+      MakeSpec(o.imm ? "SEND_WITH_IMM" : "SEND",
+               o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND, bufs);
   spec.imm = o.imm;
   spec.send_flags = (o.inline_data ? IBV_SEND_INLINE : 0) |
                     (o.fence ? IBV_SEND_FENCE : 0);
@@ -95,22 +132,17 @@ QueuePair::Op QueuePair::Recv(std::span<const LocalBuffer> bufs) {
 
 QueuePair::Op QueuePair::Write(std::span<const LocalBuffer> bufs,
                                RemoteRegion remote) {
-  internal_qp::OpSpec spec;
-  spec.name = "RDMA_WRITE";
-  spec.opcode = IBV_WR_RDMA_WRITE;
-  spec.bufs = bufs;
-  spec.remote = remote;
+  internal_qp::OpSpec spec =
+      MakeSpec("RDMA_WRITE", IBV_WR_RDMA_WRITE, bufs, remote);
   LimitSges(spec, "max_send_sge", options_.max_send_sge);
   return Op(this, spec);
 }
 
 QueuePair::Op QueuePair::WriteWithImm(LocalBuffer buf, RemoteRegion remote,
                                       uint32_t imm) {
-  internal_qp::OpSpec spec;
-  spec.name = "RDMA_WRITE_WITH_IMM";
-  spec.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-  spec.bufs = std::span<const LocalBuffer>(&buf, 1);
-  spec.remote = remote;
+  internal_qp::OpSpec spec =
+      MakeSpec("RDMA_WRITE_WITH_IMM", IBV_WR_RDMA_WRITE_WITH_IMM,
+               std::span<const LocalBuffer>(&buf, 1), remote);
   spec.imm = imm;
   if (!caps().write_with_imm) {
     spec.error = absl::UnimplementedError(absl::StrFormat(
@@ -122,11 +154,8 @@ QueuePair::Op QueuePair::WriteWithImm(LocalBuffer buf, RemoteRegion remote,
 
 QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
                               RemoteRegion remote) {
-  internal_qp::OpSpec spec;
-  spec.name = "RDMA_READ";
-  spec.opcode = IBV_WR_RDMA_READ;
-  spec.bufs = bufs;
-  spec.remote = remote;
+  internal_qp::OpSpec spec =
+      MakeSpec("RDMA_READ", IBV_WR_RDMA_READ, bufs, remote);
   uint32_t max_rd = caps().max_sge_rd ? caps().max_sge_rd : caps().max_sge;
   if (bufs.size() > max_rd) {
     spec.error = absl::InvalidArgumentError(absl::StrFormat(
@@ -138,47 +167,18 @@ QueuePair::Op QueuePair::Read(std::span<const LocalBuffer> bufs,
   return Op(this, spec);
 }
 
-namespace {
-absl::Status AtomicPrecheck(const DeviceCaps& caps, uint32_t qpn,
-                            const char* name, LocalBuffer result,
-                            RemoteRegion remote) {
-  if (!caps.atomics) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "%s on QP 0x%x: %s does not support atomic operations", name, qpn,
-        caps.device_name));
-  }
-  if (result.length != 8) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s on QP 0x%x: the result buffer must be 8 bytes, not %u", name, qpn,
-        result.length));
-  }
-  return absl::OkStatus();
-}
-}  // namespace
-
 QueuePair::Op QueuePair::CompareSwap(LocalBuffer result, RemoteRegion remote,
                                      uint64_t compare, uint64_t swap) {
-  internal_qp::OpSpec spec;
-  spec.name = "ATOMIC_CMP_AND_SWP";
-  spec.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
-  spec.bufs = std::span<const LocalBuffer>(&result, 1);
-  spec.remote = remote;
-  spec.compare_add = compare;
-  spec.swap = swap;
-  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
-  return Op(this, spec);
+  return Op(this, AtomicSpec(caps(), qp_num_, "ATOMIC_CMP_AND_SWP",
+                             IBV_WR_ATOMIC_CMP_AND_SWP, result, remote, compare,
+                             swap));
 }
 
 QueuePair::Op QueuePair::FetchAdd(LocalBuffer result, RemoteRegion remote,
                                   uint64_t add) {
-  internal_qp::OpSpec spec;
-  spec.name = "ATOMIC_FETCH_AND_ADD";
-  spec.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
-  spec.bufs = std::span<const LocalBuffer>(&result, 1);
-  spec.remote = remote;
-  spec.compare_add = add;
-  spec.error = AtomicPrecheck(caps(), qp_num_, spec.name, result, remote);
-  return Op(this, spec);
+  return Op(this,
+            AtomicSpec(caps(), qp_num_, "ATOMIC_FETCH_AND_ADD",
+                       IBV_WR_ATOMIC_FETCH_AND_ADD, result, remote, add, 0));
 }
 
 QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
