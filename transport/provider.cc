@@ -46,4 +46,24 @@ const char* WrOpcodeName(ibv_wr_opcode op) {
   }
 }
 
+ibv_wc_opcode WcOpcode(ibv_wr_opcode op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    case IBV_WR_LOCAL_INV:
+      return IBV_WC_LOCAL_INV;
+    case IBV_WR_BIND_MW:
+      return IBV_WC_BIND_MW;
+    default:
+      return IBV_WC_SEND;
+  }
+}
+
 }  // namespace coverbs::transport

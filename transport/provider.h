@@ -47,6 +47,11 @@ enum class TransportKind {
 const char* TransportKindName(TransportKind k);
 // Name of a work request opcode ("SEND", "RDMA_WRITE", ...).
 const char* WrOpcodeName(ibv_wr_opcode op);
+// The completion opcode (ibv_wc.opcode) a send work request of opcode `op`
+// completes with: IBV_WC_RDMA_WRITE for both WRITEs, IBV_WC_SEND for both
+// SENDs and any opcode without a completion opcode of its own. For
+// providers that build completions themselves.
+ibv_wc_opcode WcOpcode(ibv_wr_opcode op);
 
 // What the device can do. Upper layers check these instead of assuming IB.
 struct DeviceCaps {

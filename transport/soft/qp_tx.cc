@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "absl/strings/str_format.h"
+#include "transport/provider.h"
 #include "transport/soft/engine.h"
 #include "transport/soft/qp_core.h"
 #include "transport/soft/qp_internal.h"
@@ -27,22 +28,6 @@ constexpr int kTxRounds = 8;  // batches per QP per iteration
 // on the same host copies them out while they are still in cache.
 constexpr size_t kTxBudget = 384 * 1024;
 constexpr uint32_t kMaxRdAtomic = 128;  // outstanding READ/atomics
-
-ibv_wc_opcode WcOpcode(uint8_t wr_opcode) {
-  switch (wr_opcode) {
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return IBV_WC_RDMA_WRITE;
-    case IBV_WR_RDMA_READ:
-      return IBV_WC_RDMA_READ;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-      return IBV_WC_COMP_SWAP;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return IBV_WC_FETCH_ADD;
-    default:
-      return IBV_WC_SEND;
-  }
-}
 
 }  // namespace
 
@@ -68,7 +53,7 @@ void QpCore::PushSendWc(const SendWqe& w, uint8_t status) {
   ibv_wc wc{};
   wc.wr_id = w.wr_id;
   wc.status = static_cast<ibv_wc_status>(status);
-  wc.opcode = WcOpcode(w.opcode);
+  wc.opcode = WcOpcode(static_cast<ibv_wr_opcode>(w.opcode));
   wc.byte_len = IsAtomic(w.opcode) ? 8 : static_cast<uint32_t>(w.total);
   wc.qp_num = qp_num();
   wc.src_qp = peer_qpn_;

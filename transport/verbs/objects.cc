@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "core/log.h"
+#include "transport/provider.h"
 #include "transport/verbs/internal.h"
 
 namespace coverbs::transport::verbs_internal {
@@ -306,26 +307,6 @@ VerbsQp::~VerbsQp() {
 }
 
 namespace {
-
-ibv_wc_opcode WcOpcode(ibv_wr_opcode op) {
-  switch (op) {
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return IBV_WC_RDMA_WRITE;
-    case IBV_WR_RDMA_READ:
-      return IBV_WC_RDMA_READ;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-      return IBV_WC_COMP_SWAP;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return IBV_WC_FETCH_ADD;
-    case IBV_WR_LOCAL_INV:
-      return IBV_WC_LOCAL_INV;
-    case IBV_WR_BIND_MW:
-      return IBV_WC_BIND_MW;
-    default:
-      return IBV_WC_SEND;
-  }
-}
 
 ibv_wc FlushWc(uint64_t wr_id, ibv_wc_opcode opcode, uint32_t qp_num) {
   ibv_wc wc{};
