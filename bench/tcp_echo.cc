@@ -1,0 +1,323 @@
+// tcp_echo: a plain TCP echo with the same framing and pipelining as
+// coverbs' echo RPC, the always-available reference that
+// compare_coro_rpc.sh runs side by side with examples/echo_server +
+// echo_client (and coro_rpc when a yalantinglibs checkout is at hand). Same
+// command line and output as coro_rpc/coro_rpc_echo.cpp:
+//
+//   tcp_echo server PORT THREADS   (PORT 0: any; prints "port=N")
+//   tcp_echo client PORT SIZE CALLS DEPTH
+//
+// A frame is a 12-byte header (payload length, 4 bytes little-endian; call
+// id, 8 bytes) and the payload. The server writes every complete frame back
+// unchanged; the client keeps DEPTH calls in flight on one connection (the
+// next request goes out once the oldest response is in), puts the call
+// index in the first 8 payload bytes, checks every echoed byte and prints
+//   size=S calls=N errors=E seconds=T calls_per_s=R
+// Exit status: 0, 1 on errors, 2 for bad arguments.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr size_t kHeader = 12;
+constexpr size_t kMaxPayload = size_t{256} << 20;
+// Read granularity of both ends: large enough that one read takes a whole
+// window of small frames, small enough to stay in cache.
+constexpr size_t kChunk = 256 << 10;
+
+// Little-endian on the wire whatever the host (the framing is the format).
+void PutLe(char* p, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) p[i] = static_cast<char>(v >> (8 * i));
+}
+uint64_t GetLe(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i)
+    v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+void NoDelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+bool WriteAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= w;
+  }
+  return true;
+}
+
+// One connection, blocking: read what is there, write every complete frame
+// in it back with one write, keep the partial tail. A blocking write stalls
+// reading, which is TCP's own back-pressure; the client never stops reading.
+void Serve(int fd) {
+  std::vector<char> buf(kChunk);
+  size_t begin = 0, end = 0;  // unanswered bytes are buf[begin, end)
+  size_t need = kHeader;      // bytes the frame at `begin` needs in all
+  for (;;) {
+    // Make room for the pending frame (moving the tail only when the buffer
+    // has no room left at its end, so a large frame is not moved per read).
+    if (buf.size() - begin < need || end == buf.size()) {
+      std::memmove(buf.data(), buf.data() + begin, end - begin);
+      end -= begin;
+      begin = 0;
+      if (buf.size() < need) buf.resize(need);
+    }
+    ssize_t r = read(fd, buf.data() + end, buf.size() - end);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    end += r;
+    size_t done = begin;
+    for (;;) {
+      if (end - done < kHeader) {
+        need = kHeader;
+        break;
+      }
+      uint64_t len = GetLe(buf.data() + done, 4);
+      if (len > kMaxPayload) {
+        std::fprintf(stderr, "tcp_echo: frame of %llu bytes, closing\n",
+                     static_cast<unsigned long long>(len));
+        close(fd);
+        return;
+      }
+      need = kHeader + len;
+      if (end - done < need) break;
+      done += need;
+    }
+    if (done > begin && !WriteAll(fd, buf.data() + begin, done - begin)) break;
+    begin = done;
+    if (begin == end) begin = end = 0;
+  }
+  close(fd);
+}
+
+int Server(int port, int threads) {
+  signal(SIGPIPE, SIG_IGN);  // a client gone mid-write is an error return
+  // SIGTERM and SIGINT go to sigwait below, never to a worker thread.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(port);
+  socklen_t sl = sizeof(sa);
+  if (l < 0 || bind(l, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
+      listen(l, 128) != 0 ||
+      getsockname(l, reinterpret_cast<sockaddr*>(&sa), &sl) != 0) {
+    std::fprintf(stderr, "tcp_echo: listen on 127.0.0.1:%d: %s\n", port,
+                 std::strerror(errno));
+    return 1;
+  }
+  std::printf("port=%d\n", ntohs(sa.sin_port));
+  std::fflush(stdout);
+  // THREADS threads, each serving one connection at a time from accept to
+  // close: for the one connection the comparison uses, that is one read
+  // and one write per batch, no poll in between.
+  for (int t = 0; t < threads; ++t) {
+    std::thread([l] {
+      for (;;) {
+        int c = accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) {  // e.g. out of descriptors: retry, but do not spin
+          usleep(1000);
+          continue;
+        }
+        NoDelay(c);
+        Serve(c);
+      }
+    }).detach();
+  }
+  int sig = 0;
+  sigwait(&stop, &sig);
+  // The workers hold nothing that must be finished (an echo keeps no
+  // state), so end the process without waking them.
+  std::fflush(nullptr);
+  std::_Exit(0);
+}
+
+int Client(int port, size_t size, int64_t calls, int depth) {
+  signal(SIGPIPE, SIG_IGN);
+  const size_t frame = kHeader + size;
+  const size_t head = kHeader + std::min<size_t>(8, size);  // varies per call
+  // The payload after its first 8 bytes is the same in every call, so one
+  // copy serves all sends and checks: memory does not grow with DEPTH.
+  std::vector<char> pattern(size);
+  for (size_t i = 0; i < size; ++i) pattern[i] = static_cast<char>(i * 7 + 131);
+  auto make_head = [&](int64_t k, char* h) {
+    PutLe(h, size, 4);
+    PutLe(h + 4, k, 8);
+    PutLe(h + kHeader, k, static_cast<int>(head - kHeader));
+  };
+  std::vector<char> heads(static_cast<size_t>(depth) * head);  // per slot
+
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(port);
+  if (fd < 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    std::fprintf(stderr, "tcp_echo: connect to port %d: %s\n", port,
+                 std::strerror(errno));
+    return 1;
+  }
+  NoDelay(fd);
+  // Non-blocking: with DEPTH large frames in flight neither socket buffer
+  // holds a window, so the client must read while its writes are pending.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+
+  int64_t sent = 0, received = 0, bad = 0;  // bad: echoes that differ
+  size_t tx_off = 0, rx_off = 0;  // within frame `sent`, frame `received`
+  bool rx_bad = false;            // frame `received` differs so far
+  bool readable = false;          // the socket may have data to read
+  char rx_head[kHeader + 8];
+  std::vector<char> rbuf(std::min(kChunk, std::max<size_t>(frame, 4096)));
+  std::vector<iovec> iov;
+  auto t0 = std::chrono::steady_clock::now();
+  make_head(0, rx_head);
+  while (received < calls) {
+    if (readable) {
+      ssize_t r = read(fd, rbuf.data(), rbuf.size());
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+        std::fprintf(stderr, "tcp_echo: connection lost after %lld responses\n",
+                     static_cast<long long>(received));
+        break;
+      }
+      // A short read drained the socket: poll before reading again.
+      readable = r == static_cast<ssize_t>(rbuf.size());
+      // Compare what arrived with the request it answers, piece by piece:
+      // the call-specific head, then the shared pattern.
+      for (size_t at = 0; r > 0 && at < static_cast<size_t>(r);) {
+        size_t n = std::min<size_t>(r - at, frame - rx_off);
+        const char* p = rbuf.data() + at;  // p[0] is frame byte rx_off
+        for (size_t o = rx_off; o < rx_off + n;) {
+          const char* want =
+              o < head ? rx_head + o : pattern.data() + (o - kHeader);
+          size_t m = std::min(rx_off + n, o < head ? head : frame) - o;
+          rx_bad |= std::memcmp(p + (o - rx_off), want, m) != 0;
+          o += m;
+        }
+        at += n;
+        rx_off += n;
+        if (rx_off < frame) continue;
+        if (rx_bad && bad++ == 0) {
+          std::fprintf(stderr,
+                       "tcp_echo: response %lld differs from its request\n",
+                       static_cast<long long>(received));
+        }
+        ++received;
+        rx_off = 0;
+        rx_bad = false;
+        make_head(received, rx_head);
+      }
+    }
+    // Send everything the window allows in one writev.
+    iov.clear();
+    const int64_t limit = std::min(calls, received + depth);
+    for (int64_t k = sent; k < limit && iov.size() < 64; ++k) {
+      char* h = heads.data() + (k % depth) * head;
+      make_head(k, h);
+      size_t skip = k == sent ? tx_off : 0;
+      if (skip < head) iov.push_back({h + skip, head - skip});
+      skip = std::max(skip, head) - kHeader;
+      if (skip < size) iov.push_back({pattern.data() + skip, size - skip});
+    }
+    if (!iov.empty()) {
+      ssize_t w = writev(fd, iov.data(), static_cast<int>(iov.size()));
+      if (w < 0 && errno != EAGAIN && errno != EINTR) {
+        std::fprintf(stderr, "tcp_echo: write: %s\n", std::strerror(errno));
+        break;
+      }
+      for (size_t left = w > 0 ? w : 0; left > 0;) {
+        size_t n = std::min(left, frame - tx_off);
+        left -= n;
+        tx_off += n;
+        if (tx_off == frame) ++sent, tx_off = 0;
+      }
+    }
+    if (readable) continue;
+    if (received == calls) break;  // the last response is in
+    // Wait to read, and to write too while the window has unsent bytes.
+    const bool unsent = sent < std::min(calls, received + depth);
+    pollfd pfd{fd, static_cast<short>(POLLIN | (unsent ? POLLOUT : 0)), 0};
+    int ready = poll(&pfd, 1, 30000);
+    if (ready == 0) {
+      std::fprintf(stderr, "tcp_echo: no progress in 30 s\n");
+      break;
+    }
+    readable = ready > 0 && (pfd.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+  }
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  const int64_t errors = bad + (calls - received);  // unanswered calls count
+  std::printf("size=%zu calls=%lld errors=%lld seconds=%.6f calls_per_s=%.1f\n",
+              size, static_cast<long long>(calls),
+              static_cast<long long>(errors), seconds,
+              (received - bad) / std::max(seconds, 1e-9));
+  close(fd);
+  return errors == 0 ? 0 : 1;
+}
+
+bool ParseInt(const char* s, long long lo, long long hi, long long* v) {
+  char* e = nullptr;
+  errno = 0;
+  *v = std::strtoll(s, &e, 10);
+  return errno == 0 && e != s && *e == '\0' && *v >= lo && *v <= hi;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long long port = 0, a = 0, b = 0, c = 0;
+  std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "server" && argc == 4 && ParseInt(argv[2], 0, 65535, &port) &&
+      ParseInt(argv[3], 1, 1024, &a)) {
+    return Server(static_cast<int>(port), static_cast<int>(a));
+  }
+  if (mode == "client" && argc == 6 && ParseInt(argv[2], 1, 65535, &port) &&
+      ParseInt(argv[3], 0, INT64_MAX, &a) &&
+      ParseInt(argv[4], 1, INT64_MAX, &b) &&
+      ParseInt(argv[5], 1, 1 << 20, &c)) {
+    if (static_cast<unsigned long long>(a) > kMaxPayload) {
+      std::fprintf(stderr, "tcp_echo: SIZE %lld is over the 256 MiB limit\n",
+                   a);
+      return 2;
+    }
+    return Client(static_cast<int>(port), a, b, static_cast<int>(c));
+  }
+  std::fprintf(stderr,
+               "usage: tcp_echo server PORT THREADS\n"
+               "       tcp_echo client PORT SIZE CALLS DEPTH\n");
+  return 2;
+}
