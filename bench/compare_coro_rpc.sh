@@ -1,28 +1,37 @@
 #!/bin/bash
 # coverbs' echo RPC (examples/echo_server + echo_client) against
-# yalantinglibs' coro_rpc over TCP, side by side on this machine: same
-# sizes, one connection with 16 calls in flight, every echoed byte checked
-# by both clients, interleaved pairs (coverbs, coro_rpc, coverbs, ...) so
-# that both see the same load. Prints calls/s, the ratio, and CPU per call
-# of both processes (client + server) for each implementation.
+# yalantinglibs' coro_rpc over TCP and against a plain TCP echo
+# (bench/tcp_echo.cc: the same framing and pipelining, no RPC layer), side
+# by side on this machine: same sizes, one connection with 16 calls in
+# flight, every echoed byte checked by every client, runs interleaved
+# (coverbs, coro_rpc, tcp, coverbs, ...) so that all see the same load.
+# Prints calls/s, the ratios, and CPU per call of both processes (client +
+# server) for each implementation.
 #
-#   bench/compare_coro_rpc.sh /path/to/yalantinglibs
+#   bench/compare_coro_rpc.sh /path/to/yalantinglibs   # all three
+#   bench/compare_coro_rpc.sh -                        # coverbs and tcp only
 #
-# The argument is a checkout (a work tree with include/ylt, or a bare git
-# directory, whose HEAD is exported to a temporary directory). coro_rpc is
-# header-only: bench/coro_rpc/coro_rpc_echo.cpp is compiled with g++
-# -std=c++20 -O2 against it (about a minute). Not run in CI (no checkout
-# there). Run from the repository root; it builds the coverbs examples with
-# `bazel build -c opt` unless ECHO_BIN_DIR names a directory holding them.
+# The argument is a yalantinglibs checkout (a work tree with include/ylt, or
+# a bare git directory, whose HEAD is exported to a temporary directory);
+# `-`, or NO_CORO_RPC=1 (then the argument may be left out), leaves coro_rpc
+# out. coro_rpc is header-only: bench/coro_rpc/coro_rpc_echo.cpp is compiled
+# with g++ -std=c++20 -O2 against it (about a minute). Not run in CI. Run
+# from the repository root; it builds the coverbs examples and
+# //bench:tcp_echo with `bazel build -c opt` unless ECHO_BIN_DIR names a
+# directory holding the examples and TCP_ECHO (or ECHO_BIN_DIR/tcp_echo)
+# a tcp_echo binary.
 #
 # Environment (defaults in brackets):
 #   SIZES ["64 4096 8160 8192 65536 1048576"]  payload bytes
 #   CALLS ["20000 20000 20000 20000 5000 500"] calls per size (same order)
-#   REPS [3]        pairs per size
+#   REPS [3]        runs of each implementation per size
 #   DEPTH [16]      calls in flight on the one connection
-#   THREADS [1]     server threads (coverbs reactors, coro_rpc io threads)
+#   THREADS [1]     server threads (coverbs reactors, coro_rpc io threads,
+#                   tcp_echo connection threads)
 #   PROVIDER [auto] coverbs provider (auto = soft on a host without RDMA)
 #   CORO_RPC_ECHO   a coro_rpc_echo binary built before (skips the compile)
+#   TCP_ECHO        a tcp_echo binary built before (skips its build)
+#   NO_CORO_RPC [0] 1: coverbs and tcp only, as the argument `-`
 #
 # CPU per call: each process's whole-life CPU (user + system, all threads,
 # from wait4's rusage) for a run of CALLS calls, minus the same for a run of
@@ -30,11 +39,20 @@
 # and teardown), divided by the difference in calls.
 set -euo pipefail
 
-if [ $# -ne 1 ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+usage() {
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
+}
+no_coro="${NO_CORO_RPC:-0}"
+if [ $# -eq 1 ]; then
+  ylt="$1"
+  [ "$ylt" = - ] && no_coro=1
+elif [ $# -eq 0 ] && [ "$no_coro" = 1 ]; then
+  ylt=-
+else
+  usage
 fi
-ylt="$1"
+if [ "$no_coro" = 1 ]; then impls=(coverbs tcp); else impls=(coverbs coro_rpc tcp); fi
 read -r -a sizes <<<"${SIZES:-64 4096 8160 8192 65536 1048576}"
 read -r -a calls <<<"${CALLS:-20000 20000 20000 20000 5000 500}"
 reps="${REPS:-3}"
@@ -53,7 +71,9 @@ trap cleanup EXIT
 
 # --- the coro_rpc binary
 coro="${CORO_RPC_ECHO:-}"
-if [ -z "$coro" ]; then
+if [ "$no_coro" = 1 ]; then
+  coro=""
+elif [ -z "$coro" ]; then
   if [ -d "$ylt/include/ylt" ]; then
     inc="$ylt/include"
   elif git --git-dir="$ylt" rev-parse --verify -q HEAD >/dev/null; then
@@ -70,12 +90,23 @@ if [ -z "$coro" ]; then
     -pthread "$(dirname "$0")/coro_rpc/coro_rpc_echo.cpp" -o "$coro"
 fi
 
-# --- the coverbs binaries
+# --- the coverbs binaries and tcp_echo, built in one bazel call if needed
 bins="${ECHO_BIN_DIR:-}"
-if [ -z "$bins" ]; then
-  bazel build -c opt //examples:echo_server //examples:echo_client 2>&1 | tail -1 >&2
-  bins="bazel-bin/examples"
+tcp="${TCP_ECHO:-}"
+[ -z "$tcp" ] && [ -n "$bins" ] && [ -x "$bins/tcp_echo" ] && tcp="$bins/tcp_echo"
+targets=()
+[ -z "$bins" ] && targets+=(//examples:echo_server //examples:echo_client)
+[ -z "$tcp" ] && targets+=(//bench:tcp_echo)
+if [ "${#targets[@]}" -gt 0 ]; then
+  bazel build -c opt "${targets[@]}" 2>&1 | tail -1 >&2
+  # Fail here, not in the first run, when the build did not succeed.
+  for t in "${targets[@]}"; do
+    f="bazel-bin/$(echo "${t#//}" | tr : /)"
+    [ -x "$f" ] || { echo "compare_coro_rpc: $t did not build" >&2; exit 1; }
+  done
 fi
+[ -n "$bins" ] || bins="bazel-bin/examples"
+[ -n "$tcp" ] || tcp="bazel-bin/bench/tcp_echo"
 
 # cpu_of FILE CMD...: runs CMD and writes its CPU seconds (user + system of
 # all its threads, from wait4) to FILE; SIGTERM is passed on to it. A file
@@ -121,11 +152,25 @@ run_pair() {
       --provider="$provider" >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     # The table row: size calls errors elapsed calls/s ...
     rate=$(awk -v s="$size" '$1 == s && $3 == 0 { print $5 }' "$work/cli.out")
-  else
+  elif [ "$impl" = coro_rpc ]; then
     port=$(free_port)
     python3 "$work/cpu_of.py" "$work/srv.cpu" "$coro" server "$port" "$threads" >"$work/srv.out" 2>&1 &
     spid=$!
     cpu_of "$work/cli.cpu" "$coro" client "$port" "$size" "$n" "$depth" \
+      >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
+    rate=$(sed -n 's/.* errors=0 .*calls_per_s=\([0-9.]*\).*/\1/p' "$work/cli.out")
+  else
+    # tcp_echo binds port 0 and prints "port=N" once it listens.
+    python3 "$work/cpu_of.py" "$work/srv.cpu" "$tcp" server 0 "$threads" >"$work/srv.out" 2>&1 &
+    spid=$!
+    port=""
+    for _ in $(seq 1 300); do
+      port=$(sed -n 's/^port=\([0-9]*\)$/\1/p' "$work/srv.out")
+      [ -n "$port" ] && break
+      sleep 0.05
+    done
+    [ -n "$port" ] || { echo "tcp_echo server printed no port:" >&2; cat "$work/srv.out" >&2; return 1; }
+    cpu_of "$work/cli.cpu" "$tcp" client "$port" "$size" "$n" "$depth" \
       >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     rate=$(sed -n 's/.* errors=0 .*calls_per_s=\([0-9.]*\).*/\1/p' "$work/cli.out")
   fi
@@ -139,18 +184,19 @@ run_pair() {
 median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
 echo "# $(date -u +%FT%TZ) $(uname -n), load $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores;" \
-  "1 connection x $depth in flight, server threads $threads, coverbs provider $provider"
+  "1 connection x $depth in flight, server threads $threads, coverbs provider $provider;" \
+  "${impls[*]}"
 results="$work/results"
 : >"$results"
 for rep in $(seq 1 "$reps"); do
   # Fixed per-process cost (start-up, connect, teardown) of each.
-  for impl in coverbs coro_rpc; do
+  for impl in "${impls[@]}"; do
     out=$(run_pair "$impl" 64 $((2 * depth)))
     read -r _ c s <<<"$out"
     echo "$impl base $rep $c $s" >>"$results"
   done
   for k in "${!sizes[@]}"; do
-    for impl in coverbs coro_rpc; do
+    for impl in "${impls[@]}"; do
       out=$(run_pair "$impl" "${sizes[$k]}" "${calls[$k]}")
       read -r r c s <<<"$out"
       echo "$impl ${sizes[$k]} $rep $r $c $s" >>"$results"
@@ -160,33 +206,48 @@ for rep in $(seq 1 "$reps"); do
   done
 done
 
-printf "\n%9s %14s %14s %8s %8s %12s %12s %8s\n" "bytes" "coverbs c/s" "coro_rpc c/s" \
-  "ratio" "(range)" "coverbs cpu" "coro cpu" "ratio"
+# The table: coverbs, then each reference with its calls/s, coverbs ÷ it
+# (median and range of the per-rep ratios), and CPU per call with coverbs ÷ it.
+refs=("${impls[@]:1}")
+hdr=$(printf "%9s %13s" "bytes" "coverbs c/s")
+for ref in "${refs[@]}"; do
+  hdr+=$(printf " %13s %6s %11s" "$ref c/s" "ratio" "(range)")
+done
+hdr+=$(printf " %12s" "coverbs cpu")
+for ref in "${refs[@]}"; do hdr+=$(printf " %12s %6s" "$ref cpu" "ratio"); done
+printf "\n%s\n" "$hdr"
+n0=$((2 * depth))
 for k in "${!sizes[@]}"; do
   size=${sizes[$k]}
   n=${calls[$k]}
-  n0=$((2 * depth))
-  # Per rep: rates, ratio, CPU per call (µs, both processes, fixed cost out).
+  # Per rep and implementation: "impl rate cpu_us_per_call" (both
+  # processes, fixed cost out).
   per_rep=$(for rep in $(seq 1 "$reps"); do
     awk -v s="$size" -v r="$rep" -v n="$n" -v n0="$n0" '
       $2 == "base" && $3 == r { base[$1] = $4 + $5 }
       $2 == s && $3 == r { rate[$1] = $4; cpu[$1] = $5 + $6 }
-      END {
-        cb = (cpu["coverbs"] - base["coverbs"]) / (n - n0) * 1e6
-        cr = (cpu["coro_rpc"] - base["coro_rpc"]) / (n - n0) * 1e6
-        print rate["coverbs"], rate["coro_rpc"], rate["coverbs"] / rate["coro_rpc"], cb, cr
-      }' "$results"
+      END { for (i in rate) print i, r, rate[i], (cpu[i] - base[i]) / (n - n0) * 1e6 }' "$results"
   done)
-  cb_rate=$(awk '{ print $1 }' <<<"$per_rep" | median)
-  cr_rate=$(awk '{ print $2 }' <<<"$per_rep" | median)
-  ratio=$(awk '{ print $3 }' <<<"$per_rep" | median)
-  lo=$(awk '{ print $3 }' <<<"$per_rep" | sort -g | head -1)
-  hi=$(awk '{ print $3 }' <<<"$per_rep" | sort -g | tail -1)
-  cb_cpu=$(awk '{ print $4 }' <<<"$per_rep" | median)
-  cr_cpu=$(awk '{ print $5 }' <<<"$per_rep" | median)
-  printf "%9d %14.0f %14.0f %8.2f %8s %9.1f us %9.1f us %8.2f\n" "$size" "$cb_rate" "$cr_rate" \
-    "$ratio" "$(printf "%.2f-%.2f" "$lo" "$hi")" "$cb_cpu" "$cr_cpu" \
-    "$(awk -v a="$cb_cpu" -v b="$cr_cpu" 'BEGIN { print (b > 0) ? a / b : 0 }')"
+  col() { awk -v i="$1" -v c="$2" '$1 == i { print $c }' <<<"$per_rep"; }
+  # ratio IMPL: coverbs ÷ IMPL calls/s, one line per rep.
+  ratio() {
+    awk -v i="$1" '$1 == "coverbs" { cb[$2] = $3 } $1 == i { x[$2] = $3 }
+      END { for (r in x) print (x[r] > 0) ? cb[r] / x[r] : 0 }' <<<"$per_rep"
+  }
+  cb_cpu=$(col coverbs 4 | median)
+  line=$(printf "%9d %13.0f" "$size" "$(col coverbs 3 | median)")
+  for ref in "${refs[@]}"; do
+    rs=$(ratio "$ref")
+    line+=$(printf " %13.0f %6.2f %11s" "$(col "$ref" 3 | median)" "$(median <<<"$rs")" \
+      "$(printf "%.2f-%.2f" "$(sort -g <<<"$rs" | head -1)" "$(sort -g <<<"$rs" | tail -1)")")
+  done
+  line+=$(printf " %9.1f us" "$cb_cpu")
+  for ref in "${refs[@]}"; do
+    c=$(col "$ref" 4 | median)
+    line+=$(printf " %9.1f us %6.2f" "$c" "$(awk -v a="$cb_cpu" -v b="$c" 'BEGIN { print (b > 0) ? a / b : 0 }')")
+  done
+  echo "$line"
 done
-echo "(medians of $reps interleaved pairs; ratio = coverbs / coro_rpc calls/s, median of" \
-  "the per-pair ratios, range over the pairs; cpu = client + server CPU per call)"
+echo "(medians of $reps interleaved runs of each; ratio = coverbs / that implementation:" \
+  "calls/s, median of the per-rep ratios and their range; cpu = client + server CPU" \
+  "per call, ratio of the medians)"
