@@ -201,7 +201,7 @@ int Client(int port, size_t size, int64_t calls, int depth) {
   bool rx_bad = false;            // frame `received` differs so far
   bool readable = false;          // the socket may have data to read
   char rx_head[kHeader + 8];
-  std::vector<char> rbuf(std::min(kChunk, std::max<size_t>(frame, 4096)));
+  std::vector<char> rbuf(kChunk);
   std::vector<iovec> iov;
   auto t0 = std::chrono::steady_clock::now();
   make_head(0, rx_head);
