@@ -128,6 +128,10 @@ class Message {
 
   std::span<const std::byte> data() const { return {data_, size_}; }
   std::span<std::byte> mutable_data() { return {data_, size_}; }
+  // The bytes as text (what Send(std::string_view) sent).
+  std::string_view text() const {
+    return {reinterpret_cast<const char*>(data_), size_};
+  }
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
 
@@ -182,6 +186,12 @@ class Connection {
   // (InvalidArgument if it has none). The token carries the region's rkey,
   // so the peer gets exactly that access.
   absl::StatusOr<RegionToken> Expose(const transport::MemoryRegion& mr);
+  // With typed flags (transport::Access::kRemoteRead, ...).
+  absl::StatusOr<RegionToken> Expose(
+      const transport::MemoryRegion& mr, transport::Access access,
+      size_t offset = 0, size_t length = transport::MemoryRegion::npos) {
+    return Expose(mr, static_cast<int>(access), offset, length);
+  }
   Task<absl::Status> Read(transport::LocalBuffer local,
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,

@@ -35,6 +35,11 @@ class Payload {
   Payload(Payload&&) noexcept = default;
   Payload& operator=(Payload&&) noexcept = default;
 
+  // The bytes as text.
+  std::string_view text() const {
+    auto d = data();
+    return {reinterpret_cast<const char*>(d.data()), d.size()};
+  }
   std::span<const std::byte> data() const {
     switch (v_.index()) {
       case 1: {

@@ -45,6 +45,22 @@ struct RemoteRegion {
   RemoteRegion Slice(uint64_t offset, uint64_t len) const;
 };
 
+// Memory access rights of a registration, typed (the values are verbs'
+// IBV_ACCESS_* bits, so a raw int still converts both ways).
+enum class Access : int {
+  kNone = 0,
+  kLocalWrite = IBV_ACCESS_LOCAL_WRITE,
+  kRemoteWrite = IBV_ACCESS_REMOTE_WRITE,  // implies kLocalWrite
+  kRemoteRead = IBV_ACCESS_REMOTE_READ,
+  kRemoteAtomic = IBV_ACCESS_REMOTE_ATOMIC,  // implies kLocalWrite
+};
+constexpr Access operator|(Access a, Access b) {
+  return static_cast<Access>(static_cast<int>(a) | static_cast<int>(b));
+}
+constexpr bool operator&(Access a, Access b) {
+  return (static_cast<int>(a) & static_cast<int>(b)) != 0;
+}
+
 // A registered memory region. Move-only; deregisters on destruction or on
 // Deregister() -- after which remote accesses with its rkey fail with a
 // remote access error on the requester.
@@ -94,6 +110,11 @@ class ProtectionDomain {
   absl::StatusOr<MemoryRegion> Register(void* addr, size_t length, int access);
   absl::StatusOr<MemoryRegion> Register(std::span<std::byte> mem, int access) {
     return Register(mem.data(), mem.size(), access);
+  }
+  // The same with typed flags (Access::kRemoteRead | Access::kLocalWrite).
+  absl::StatusOr<MemoryRegion> Register(std::span<std::byte> mem,
+                                        Access access) {
+    return Register(mem.data(), mem.size(), static_cast<int>(access));
   }
 
   Device* device() const { return device_; }

@@ -1,0 +1,95 @@
+#include "coverbs/run.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <memory>
+#include <utility>
+
+#include "cm/context_pool.h"
+#include "core/log.h"
+#include "transport/device.h"
+
+namespace coverbs {
+
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main,
+            const RunOptions& options) {
+  auto reactor = Reactor::Create(options.reactor);
+  if (!reactor.ok()) {
+    COVERBS_LOG(kError, "run", "creating the reactor: %s",
+                reactor.status().ToString().c_str());
+    return 1;
+  }
+  auto device = transport::Device::Open(options.provider);
+  if (!device.ok()) {
+    COVERBS_LOG(kError, "run", "opening the device: %s",
+                device.status().ToString().c_str());
+    return 1;
+  }
+  auto ctx = cm::Context::Create(**reactor, **device, options.context);
+  if (!ctx.ok()) {
+    COVERBS_LOG(kError, "run", "creating the context: %s",
+                ctx.status().ToString().c_str());
+    return 1;
+  }
+  absl::Status s = (*reactor)->BlockOn(main(**ctx));
+  ctx->reset();
+  if (!s.ok()) {
+    COVERBS_LOG(kError, "run", "%s", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main) {
+  return RunMain(std::move(main), RunOptions());
+}
+
+int Serve(rpc::Server& server, const std::string& address, uint16_t port,
+          const ServeOptions& options) {
+  // Blocked before the reactors start, so that they inherit the mask and
+  // sigwait below is the one place the signals arrive.
+  sigset_t stop, old;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, &old);
+  int rc = 1;
+  do {
+    auto device = transport::Device::Open(options.provider);
+    if (!device.ok()) {
+      COVERBS_LOG(kError, "run", "opening the device: %s",
+                  device.status().ToString().c_str());
+      break;
+    }
+    cm::ContextPool::Options po;
+    po.threads = options.threads;
+    po.reactor = options.reactor;
+    po.context = options.context;
+    auto pool = cm::ContextPool::Create(**device, po);
+    if (!pool.ok()) {
+      COVERBS_LOG(kError, "run", "starting %d reactors: %s", options.threads,
+                  pool.status().ToString().c_str());
+      break;
+    }
+    absl::Status s = server.Start(**pool, address, port);
+    if (!s.ok()) {
+      COVERBS_LOG(kError, "run", "starting the server: %s",
+                  s.ToString().c_str());
+      break;
+    }
+    int sig = 0;
+    sigwait(&stop, &sig);
+    COVERBS_LOG(kInfo, "run", "signal %d: shutting down", sig);
+    server.Shutdown();
+    rc = 0;
+  } while (false);
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return rc;
+}
+
+int Serve(rpc::Server& server, const std::string& address, uint16_t port) {
+  return Serve(server, address, port, ServeOptions());
+}
+
+}  // namespace coverbs
