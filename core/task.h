@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "core/frame_pool.h"
+
 namespace coverbs {
 
 template <typename T = void>
@@ -72,6 +74,10 @@ inline void ResumeOnTrampoline(std::coroutine_handle<> h) {
 // Shared by all promises: continuation + the ambient stop token.
 class PromiseBase {
  public:
+  // Frames from per-thread free lists (core/frame_pool.h).
+  static void* operator new(size_t n) { return AllocFrame(n); }
+  static void operator delete(void* p, size_t n) noexcept { FreeFrame(p, n); }
+
   std::suspend_always initial_suspend() noexcept { return {}; }
 
   struct FinalAwaiter {
