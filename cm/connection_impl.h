@@ -198,6 +198,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // turn and calls send_turn_.Release() right before it posts (nothing
   // suspends in between), which keeps messages in the order Sends began.
   Task<absl::StatusOr<transport::BufferPool::Buffer>> AcquireSend();
+  // The same without waiting: true (and `out` set) when the turn, a credit
+  // and a buffer were all free; else nothing is taken.
+  bool TryAcquireSend(absl::StatusOr<transport::BufferPool::Buffer>& out);
   Task<absl::Status> TakeCredit();
   // Runs an internal task that keeps the connection alive until it ends.
   void SpawnInternal(Task<void> t);

@@ -119,8 +119,7 @@ bool ConnectionImpl::TakeGrants(const RecvSlot* slot, const WireHeader& h) {
 // --- Receiver.
 
 void ConnectionImpl::NoteMediumSize(uint64_t length) {
-  if (options_.landing_buffers == 0 ||
-      length > options_.landing_buffer_size) {
+  if (options_.landing_buffers == 0 || length > options_.landing_buffer_size) {
     return;
   }
   landing_on_ = true;
@@ -149,9 +148,9 @@ void ConnectionImpl::TopUpGrants() {
 }
 
 size_t ConnectionImpl::WriteGrants(std::span<std::byte> out) {
-  uint32_t n = std::min<uint32_t>(
-      {grants_unsent_, kMaxGrantsPerMessage,
-       static_cast<uint32_t>(out.size() / kGrantSize)});
+  uint32_t n =
+      std::min<uint32_t>({grants_unsent_, kMaxGrantsPerMessage,
+                          static_cast<uint32_t>(out.size() / kGrantSize)});
   size_t first = granted_.size() - grants_unsent_;
   for (uint32_t i = 0; i < n; ++i) {
     const LargeBuffer* lb = granted_[first + i];

@@ -66,6 +66,26 @@ Task<absl::Status> ConnectionImpl::TakeCredit() {
   co_return s;
 }
 
+bool ConnectionImpl::TryAcquireSend(
+    absl::StatusOr<transport::BufferPool::Buffer>& out) {
+  if (!status_.ok() || closing_ || !started_ || !may_send_.is_set()) {
+    return false;
+  }
+  if (!send_turn_.TryAcquire(1)) return false;
+  if (credits_.TryAcquire(1)) {
+    auto pool = SendPool();
+    if (pool.ok()) {
+      if (auto b = (*pool)->TryGet()) {
+        out = std::move(*b);
+        return true;
+      }
+    }
+    credits_.Release(1);
+  }
+  send_turn_.Release(1);
+  return false;
+}
+
 Task<absl::StatusOr<transport::BufferPool::Buffer>>
 ConnectionImpl::AcquireSend() {
   absl::Status s = co_await send_turn_.Acquire(1);
@@ -91,7 +111,7 @@ absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
-                                                             size_t count) {
+                                                              size_t count) {
   ContextShared& sh = SharedOf(ctx_);
   size = (size + 63) & ~size_t{63};
   auto it = sh.send_pools.find(size);
@@ -122,8 +142,15 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   size_t total = 0;
   for (auto p : parts) total += p.size();
   if (zero_copy != nullptr) total += zero_copy->length;
-  auto buf = co_await AcquireSend();
-  if (!buf.ok()) co_return buf.status();
+  // Nobody waiting and the turn, a credit and a buffer free now: take them
+  // without AcquireSend's three nested coroutines (the common case; only
+  // uncontended TryAcquires succeed, so FIFO order is kept).
+  absl::StatusOr<transport::BufferPool::Buffer> buf =
+      absl::UnavailableError("");
+  if (!TryAcquireSend(buf)) {
+    buf = co_await AcquireSend();
+    if (!buf.ok()) co_return buf.status();
+  }
   WireHeader h;
   FillHeader(h, type, static_cast<uint32_t>(total), cookie, 0);
   std::byte* d = buf->data();
@@ -208,23 +235,30 @@ Task<void> ConnectionImpl::SendCts(uint32_t cookie, uint16_t flags,
   FailInternalSend(s, "sending a rendezvous answer");
 }
 
+namespace {
+Task<absl::Status> Ready(absl::Status s) { co_return s; }
+}  // namespace
+
 Task<absl::Status> ConnectionImpl::SendParts(
     std::span<const std::span<const std::byte>> parts) {
+  // Not a coroutine: it checks and hands over the Task of the path taken,
+  // one coroutine frame less per message (`parts` outlives that Task, as
+  // the caller promises for the Send).
   size_t total = 0;
   for (auto p : parts) total += p.size();
   absl::Status s = CheckUp("send");
-  if (!s.ok()) co_return s;
+  if (!s.ok()) return Ready(std::move(s));
   if (total > peer_max_) {
-    co_return absl::InvalidArgumentError(absl::StrFormat(
+    return Ready(absl::InvalidArgumentError(absl::StrFormat(
         "send on %s: message of %d bytes exceeds the maximum %d (local %d, "
         "peer %d)",
         name_, total, peer_max_, options_.max_message_size,
-        peer_.handshake.max_message_size));
+        peer_.handshake.max_message_size)));
   }
   if (total <= options_.rendezvous_threshold) {
-    co_return co_await SendSmall(kData, 0, parts);
+    return SendSmall(kData, 0, parts);
   }
-  co_return co_await SendBig(parts, nullptr, total);
+  return SendBig(parts, nullptr, total);
 }
 
 Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {

@@ -370,7 +370,8 @@ Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
   uint32_t method_id = req.method_id;
   absl::Status slot = co_await c->running.Acquire();
   bool stopped = !slot.ok();
-  absl::StatusOr<Payload> result = absl::CancelledError("not run");
+  // Read only when the handler ran (a stopped call is not answered).
+  absl::StatusOr<Payload> result = Payload();
   if (!stopped) {
     stats_.calls.fetch_add(1);
     result = co_await method->handler(std::move(req));
