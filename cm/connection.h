@@ -55,6 +55,8 @@ struct ConnectionOptions {
   // use_srq: the most the peer may hold (its window grows toward this).
   uint32_t recv_credits = 64;
   // Payloads up to this size go eagerly (SEND/RECV); above, by RDMA WRITE.
+  // Also the size of this side's receive buffers (16 bytes more). A peer
+  // whose receive buffers are smaller gets only what fits them eagerly.
   size_t rendezvous_threshold = 8 * 1024;
   // Medium messages (above rendezvous_threshold, up to landing_buffer_size)
   // skip the rendezvous round trip once the peer has sent one: the receiver

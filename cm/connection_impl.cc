@@ -166,14 +166,11 @@ absl::Status ConnectionImpl::Start(
     return absl::InvalidArgumentError(
         absl::StrCat(name_, ": peer announced ", h.credits, " credits"));
   }
-  // The peer's receive buffers must hold our largest eager message.
-  if (h.recv_buffer_size < kHeaderSize + options_.rendezvous_threshold) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: peer receive buffers (%d bytes) are smaller than our eager "
-        "messages (%d bytes + %d header): configure the same "
-        "rendezvous_threshold on both sides",
-        name_, h.recv_buffer_size, options_.rendezvous_threshold, kHeaderSize));
-  }
+  // Our eager messages must fit the peer's receive buffers: a peer with
+  // smaller ones (a server saving memory per connection) gets the larger
+  // messages by WRITE instead (landing buffers or the rendezvous).
+  eager_max_ = std::min<size_t>(options_.rendezvous_threshold,
+                                h.recv_buffer_size - kHeaderSize);
   peer_max_ = std::min<uint64_t>(h.max_message_size, options_.max_message_size);
   use_imm_ = (h.caps & kCapWriteWithImm) && qp_->caps().write_with_imm;
   credits_.Release(h.credits);

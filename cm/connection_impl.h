@@ -300,6 +300,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t next_cookie_ = 1;
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up
   uint64_t peer_max_ = 0;
+  // Largest eager payload: our rendezvous_threshold, or less when the
+  // peer's receive buffers are smaller.
+  size_t eager_max_ = 0;
   bool use_imm_ = false;
 
   // Landing buffers, receiver side: granted to the peer (registered for

@@ -255,7 +255,7 @@ Task<absl::Status> ConnectionImpl::SendParts(
         name_, total, peer_max_, options_.max_message_size,
         peer_.handshake.max_message_size)));
   }
-  if (total <= options_.rendezvous_threshold) {
+  if (total <= eager_max_) {
     return SendSmall(kData, 0, parts);
   }
   return SendBig(parts, nullptr, total);
@@ -269,7 +269,7 @@ Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
         "send on %s: message of %d bytes exceeds the maximum %d", name_,
         b.length, peer_max_));
   }
-  if (b.length <= options_.rendezvous_threshold) {
+  if (b.length <= eager_max_) {
     co_return co_await SendSmall(kData, 0, {}, &b);
   }
   co_return co_await SendBig({}, &b, b.length);

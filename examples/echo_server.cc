@@ -62,6 +62,11 @@ ABSL_FLAG(int, srq_depth, 0,
           "plus 6 reserve, so this bounds connections per reactor to about "
           "srq_depth / 10). The SRQ's CQ must hold it: --cq_entries. 0: "
           "rings (64 receives per connection).");
+ABSL_FLAG(int, eager_size, 8192,
+          "Largest payload sent eagerly (SEND into the peer's receive "
+          "buffers, which are this + 16 bytes; with --srq_depth, the SRQ's "
+          "buffers). Smaller: less memory per connection, and clients send "
+          "larger messages by RDMA WRITE (landing buffers or rendezvous).");
 ABSL_FLAG(int, srq_initial_credits, 4,
           "With --srq_depth: receives promised to a new connection (its "
           "window grows while its client keeps running out). Fewer: less "
@@ -136,6 +141,12 @@ int Run() {
   cm::ContextOptions ctx_options;
   ctx_options.srq_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_depth));
   ctx_options.cq_entries = absl::GetFlag(FLAGS_cq_entries);
+  const int eager = absl::GetFlag(FLAGS_eager_size);
+  if (eager < 64 || eager > (1 << 20)) {
+    std::fprintf(stderr, "echo_server: --eager_size must be in [64, 1 MiB]\n");
+    return 2;
+  }
+  ctx_options.srq_buffer_size = static_cast<uint32_t>(eager + 16);
   cm::ContextPool::Options pool_options;
   pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
   pool_options.reactor.poll_mode = *poll;
@@ -152,6 +163,7 @@ int Run() {
   options.listener.max_pending_handshakes =
       static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
   options.listener.connection.use_srq = ctx_options.srq_depth > 0;
+  options.listener.connection.rendezvous_threshold = static_cast<size_t>(eager);
   if (absl::GetFlag(FLAGS_srq_initial_credits) < 1 || absl::GetFlag(FLAGS_send_depth) < 1) {
     std::fprintf(stderr, "echo_server: --srq_initial_credits and --send_depth must be >= 1\n");
     return 2;

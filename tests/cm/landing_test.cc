@@ -35,8 +35,7 @@ class LandingTest : public CmTest {
     std::memcpy(v.data(), &seq, 4);
     return v;
   }
-  static bool IsNumbered(std::span<const std::byte> d, size_t n,
-                         uint32_t seq) {
+  static bool IsNumbered(std::span<const std::byte> d, size_t n, uint32_t seq) {
     return Same(d, Numbered(n, seq));
   }
 
@@ -227,8 +226,8 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
     // receiver's NIC (the registration ended), and the message it
     // delivered is untouched.
     std::vector<std::byte> late = Pattern(4096, 0x55);
-    absl::Status w = co_await p->client->Write(
-        std::span<const std::byte>(late), {g.addr, late.size(), g.rkey});
+    absl::Status w = co_await p->client->Write(std::span<const std::byte>(late),
+                                               {g.addr, late.size(), g.rkey});
     if (w.ok()) {
       // iWARP completes a WRITE once it is handed to TCP (siw); the
       // receiver's TERMINATE for the dead rkey ends the connection after.
@@ -325,6 +324,43 @@ TEST_P(LandingTest, CloseWithLandedSendsInFlightEndsEveryone) {
       EXPECT_TRUE(IsNumbered(m->data(), 30000, i)) << i;
     }
     co_await p->client->Close();
+  }(this));
+}
+
+TEST_P(LandingTest, APeerWithSmallerReceiveBuffersGetsLargerMessagesByWrite) {
+  Run([](LandingTest* t) -> Task<void> {
+    // The server's receive buffers hold 2 KiB (a server saving memory per
+    // connection); the client keeps the default 8 KiB eager limit, so what
+    // does not fit the server's buffers must go by WRITE.
+    ConnectOptions co;
+    ListenerOptions lo;
+    lo.connection.rendezvous_threshold = 2048;
+    auto p = co_await t->MakePair(co, lo);
+    CO_ASSERT_OK(p);
+    // (The ring rounds its buffers up to 64 bytes: 2112.)
+    const size_t eager =
+        p->client->peer().handshake.recv_buffer_size - internal::kHeaderSize;
+    EXPECT_GE(eager, 2048u);
+    EXPECT_LT(eager, 2200u);
+    int failures = 0;
+    std::vector<size_t> sizes = {64, 2048, 2200, 8000, 8192, 30000};
+    co_await SendAllAtOnce(t->reactor_.get(), p->client.get(), p->server.get(),
+                           120, sizes, &failures);
+    EXPECT_EQ(failures, 0);
+    Connection::Stats ss = p->server->stats();
+    EXPECT_EQ(ss.messages_received, 120u);
+    // 2200 and up did not fit the server's buffers: by WRITE.
+    EXPECT_EQ(ss.landed_received + ss.rendezvous_received, 4u * 120 / 6);
+    EXPECT_GT(ss.landed_received, 0u);
+    // And back: the server's own eager limit (2 KiB) fits the client.
+    auto back = Numbered(2048, 5);
+    CO_ASSERT_OK(co_await p->server->Send(back));
+    auto m = co_await p->client->Recv();
+    CO_ASSERT_OK(m);
+    EXPECT_TRUE(IsNumbered(m->data(), 2048, 5));
+    EXPECT_EQ(p->client->stats().rendezvous_received, 0u);
+    co_await p->client->Close();
+    co_await p->server->Close();
   }(this));
 }
 
