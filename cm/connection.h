@@ -86,6 +86,7 @@ struct ConnectionOptions {
   // toward recv_credits from receives nobody was promised, and it shrinks
   // back once the peer stops running out. Connecting or accepting fails
   // with ResourceExhausted when srq_depth cannot promise the initial grant.
+  // srq_initial_credits is at least 2 (a rendezvous needs two credits).
   bool use_srq = false;
   uint32_t srq_initial_credits = 4;
   // Bound on Close()'s drain and disconnect.

@@ -29,10 +29,14 @@ absl::Status ConnectionImpl::InitSrq() {
         "ContextOptions::srq_buffer_size or lower rendezvous_threshold)",
         name_, (*pool)->slot_size, options_.rendezvous_threshold, kHeaderSize));
   }
-  if (options_.srq_initial_credits == 0 ||
+  // At least 2: a rendezvous takes the credit of its RTS and, in the same
+  // turn, the one its DONE will spend; a window of 1 never holds both, the
+  // RTS is never sent, and the window never grows (it grows when a message
+  // says it spent the sender's last credit) -- the sender waits forever.
+  if (options_.srq_initial_credits < 2 ||
       options_.srq_initial_credits > options_.recv_credits) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name_, ": srq_initial_credits must be in [1, recv_credits = ",
+        name_, ": srq_initial_credits must be in [2, recv_credits = ",
         options_.recv_credits, "], got ", options_.srq_initial_credits));
   }
   absl::Status s = (*pool)->Reserve(

@@ -164,8 +164,10 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
   options.listener.connection.use_srq = ctx_options.srq_depth > 0;
   options.listener.connection.rendezvous_threshold = static_cast<size_t>(eager);
-  if (absl::GetFlag(FLAGS_srq_initial_credits) < 1 || absl::GetFlag(FLAGS_send_depth) < 1) {
-    std::fprintf(stderr, "echo_server: --srq_initial_credits and --send_depth must be >= 1\n");
+  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 1) {
+    std::fprintf(stderr,
+                 "echo_server: --srq_initial_credits must be >= 2 (a rendezvous needs two "
+                 "credits) and --send_depth >= 1\n");
     return 2;
   }
   options.listener.connection.srq_initial_credits =

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "cm/connection_test_peer.h"
 #include "cm/wire.h"
+#include "core/when.h"
 #include "gtest/gtest.h"
 #include "tests/cm/cm_fixture.h"
 #include "tests/cm/test_util.h"
@@ -362,6 +363,54 @@ TEST_P(LandingTest, APeerWithSmallerReceiveBuffersGetsLargerMessagesByWrite) {
     co_await p->client->Close();
     co_await p->server->Close();
   }(this));
+}
+
+TEST_P(LandingTest,
+       SrqServerAtTheSmallestWindowServesRendezvousOnEveryConnection) {
+  Run(
+      [](LandingTest* t) -> Task<void> {
+        // Regression: a window of 1 credit deadlocked every rendezvous (its RTS
+        // waits for the second credit its DONE needs; the window only grows
+        // once a message was sent). 2 is now the minimum, 1 is refused.
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, 1024));
+        ConnectOptions co;
+        ListenerOptions one;
+        one.connection.use_srq = true;
+        one.connection.srq_initial_credits = 1;
+        auto refused = co_await t->MakePair(co, one);
+        EXPECT_FALSE(refused.ok());
+        EXPECT_NE(std::string(refused.status().message())
+                      .find("srq_initial_credits must be in [2"),
+                  std::string::npos)
+            << refused.status();
+        ListenerOptions lo;
+        lo.connection.use_srq = true;
+        lo.connection.srq_initial_credits = 2;
+        lo.connection.landing_buffers = 0;  // every large message: rendezvous
+        co.connection.landing_buffers = 0;
+        std::vector<CmTest::Pair> pairs;
+        for (int i = 0; i < 4; ++i) {
+          auto p = co_await t->MakePair(co, lo);
+          CO_ASSERT_OK(p);
+          pairs.push_back(*std::move(p));
+        }
+        std::vector<size_t> sizes = {20000, 64, 65536};
+        std::vector<Task<void>> all;
+        std::vector<int> failures(pairs.size(), 0);
+        for (size_t i = 0; i < pairs.size(); ++i) {
+          all.push_back(SendAllAtOnce(t->reactor_.get(), pairs[i].client.get(),
+                                      pairs[i].server.get(), 48, sizes,
+                                      &failures[i]));
+        }
+        co_await WhenAll(std::move(all));
+        for (size_t i = 0; i < pairs.size(); ++i) {
+          EXPECT_EQ(failures[i], 0);
+          EXPECT_EQ(pairs[i].server->stats().rendezvous_received, 32u);
+          co_await pairs[i].client->Close();
+          co_await pairs[i].server->Close();
+        }
+      }(this),
+      absl::Seconds(30));
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, LandingTest,
