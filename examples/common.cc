@@ -1,5 +1,6 @@
 #include "examples/common.h"
 
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -12,9 +13,20 @@
 #include <ctime>
 #include <future>
 
+#include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+
+// Landing buffers (cm::ConnectionOptions), for echo_server and echo_client.
+ABSL_FLAG(int, landing_buffers, 32,
+          "Buffers this side keeps granted to its peer for medium messages "
+          "(above 8 KiB, up to --landing_buffer_size) once the peer sends "
+          "them: those skip the rendezvous round trip. 0: always the "
+          "rendezvous. Costs up to landing_buffers x landing_buffer_size "
+          "of registered memory per connection receiving medium messages.");
+ABSL_FLAG(int64_t, landing_buffer_size, 128 * 1024,
+          "Largest message that may land in a granted buffer (bytes).");
 
 namespace coverbs::examples {
 
@@ -134,6 +146,13 @@ int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag) {
 std::string DescribeDevice(const transport::Device& d) {
   if (d.caps().provider == "soft") return "soft";
   return absl::StrCat(d.caps().provider, " (", d.name(), ")");
+}
+
+void ApplyLandingFlags(cm::ConnectionOptions& o) {
+  o.landing_buffers =
+      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));
+  o.landing_buffer_size = static_cast<size_t>(
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_landing_buffer_size)));
 }
 
 }  // namespace coverbs::examples

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "cm/connection.h"
 #include "cm/context.h"
 #include "cm/context_pool.h"  // IWYU pragma: export
 #include "core/reactor.h"
@@ -25,6 +26,10 @@ namespace coverbs::examples {
 // positional argument (each refused with a message naming it), 0 after
 // --help and friends. Returns only when every argument was a valid flag.
 void ParseFlagsOrExit(int argc, char** argv);
+
+// --landing_buffers / --landing_buffer_size (defined here, shared by the
+// examples that connect or accept) applied to `o`.
+void ApplyLandingFlags(cm::ConnectionOptions& o);
 
 // The --address/--server value, refused when empty: listening on every
 // interface must be asked for explicitly with 0.0.0.0.

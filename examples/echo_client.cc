@@ -59,14 +59,6 @@ ABSL_FLAG(int64_t, max_memory_mb, 2048,
           "Refuse to start when --concurrency x the largest size would need "
           "more payload memory than this (each call in flight holds its "
           "request and its response).");
-ABSL_FLAG(int, landing_buffers, 32,
-          "Buffers this side keeps granted to its peer for medium messages "
-          "(above 8 KiB, up to --landing_buffer_size) once the peer sends "
-          "them: those skip the rendezvous round trip. 0: always the "
-          "rendezvous. Costs up to landing_buffers x landing_buffer_size "
-          "of registered memory per connection receiving medium messages.");
-ABSL_FLAG(int64_t, landing_buffer_size, 128 * 1024,
-          "Largest message that may land in a granted buffer (bytes).");
 ABSL_FLAG(std::string, poll, "event",
           "How the client's reactor waits for completions: event, busy or "
           "adaptive.");
@@ -139,10 +131,7 @@ Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
   std::vector<std::unique_ptr<rpc::Client>> clients;
   for (int c = 0; c < absl::GetFlag(FLAGS_connections); ++c) {
     rpc::ClientOptions co;
-    co.connect.connection.landing_buffers =
-        static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));
-    co.connect.connection.landing_buffer_size =
-        static_cast<size_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_landing_buffer_size)));
+    ApplyLandingFlags(co.connect.connection);
     auto client = co_await rpc::Client::Connect(*ctx, server, port, co);
     if (!client.ok()) {
       // Connections must be gone before the Context: close the others.

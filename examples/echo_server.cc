@@ -71,14 +71,6 @@ ABSL_FLAG(int, srq_initial_credits, 4,
           "With --srq_depth: receives promised to a new connection (its "
           "window grows while its client keeps running out). Fewer: less "
           "memory per idle connection.");
-ABSL_FLAG(int, landing_buffers, 32,
-          "Buffers this side keeps granted to its peer for medium messages "
-          "(above 8 KiB, up to --landing_buffer_size) once the peer sends "
-          "them: those skip the rendezvous round trip. 0: always the "
-          "rendezvous. Costs up to landing_buffers x landing_buffer_size "
-          "of registered memory per connection receiving medium messages.");
-ABSL_FLAG(int64_t, landing_buffer_size, 128 * 1024,
-          "Largest message that may land in a granted buffer (bytes).");
 ABSL_FLAG(int, send_depth, 64,
           "Send work requests posted at once per connection (more wait in "
           "order). On a real NIC each costs send-queue memory even when "
@@ -174,10 +166,7 @@ int Run() {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_initial_credits));
   options.listener.connection.send_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_send_depth));
   options.listener.connection.keepalive_interval = absl::GetFlag(FLAGS_keepalive);
-  options.listener.connection.landing_buffers =
-      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));
-  options.listener.connection.landing_buffer_size =
-      static_cast<size_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_landing_buffer_size)));
+  ApplyLandingFlags(options.listener.connection);
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(
       "Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {

@@ -118,8 +118,10 @@ Task<absl::Status> Session(rpc::Client& c, cm::Context* ctx, const std::vector<s
 }
 
 Task<absl::Status> Main(cm::Context* ctx, const std::vector<size_t>& sizes, Stats* st) {
+  rpc::ClientOptions co;
+  ApplyLandingFlags(co.connect.connection);
   auto client = co_await rpc::Client::Connect(*ctx, absl::GetFlag(FLAGS_server),
-                                              absl::GetFlag(FLAGS_port));
+                                              absl::GetFlag(FLAGS_port), co);
   if (!client.ok()) {
     co_return absl::UnavailableError(absl::StrCat("connecting to ", absl::GetFlag(FLAGS_server),
                                                   ":", absl::GetFlag(FLAGS_port), ": ",

@@ -153,6 +153,12 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     co_return p;
   }
 
+  // Closes both ends of a pair (client first).
+  static Task<void> Close(Pair& p) {
+    co_await p.client->Close();
+    co_await p.server->Close();
+  }
+
   // `n` Sends of 4-byte sequence numbers from `from`, all started at once,
   // while `to` receives them in order, pausing `pause_ms` every `every`
   // messages (a receiver that falls behind). Failed Sends are counted in

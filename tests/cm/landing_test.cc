@@ -100,8 +100,7 @@ TEST_P(LandingTest, MediumMessagesLandWithoutRendezvousAfterTheFirst) {
     CO_ASSERT_OK(r);
     EXPECT_TRUE(IsNumbered(r->data(), 40000, 9));
     EXPECT_EQ(p->client->stats().landed_received, 1u);
-    co_await p->client->Close();
-    co_await p->server->Close();
+    co_await Close(*p);
   }(this));
 }
 
@@ -166,8 +165,7 @@ TEST_P(LandingTest, MixedSizesKeepOrderAcrossEagerLandedAndRendezvous) {
     EXPECT_GT(ss.landed_received, 0u);
     EXPECT_GE(ss.rendezvous_received, 1 + large);
     EXPECT_EQ(ss.landed_received + ss.rendezvous_received, 1 + medium + large);
-    co_await p->client->Close();
-    co_await p->server->Close();
+    co_await Close(*p);
   }(this));
 }
 
@@ -202,10 +200,8 @@ TEST_P(LandingTest, RunningOutOfGrantsFallsBackToTheRendezvous) {
     EXPECT_EQ(q->server->stats().landed_received, 0u);
     EXPECT_EQ(q->server->stats().rendezvous_received, 20u);
     EXPECT_TRUE(ConnectionTestPeer::Grants(*q->client).empty());
-    co_await p->client->Close();
-    co_await p->server->Close();
-    co_await q->client->Close();
-    co_await q->server->Close();
+    co_await Close(*p);
+    co_await Close(*q);
   }(this));
 }
 
@@ -252,10 +248,8 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
     auto o = co_await other->server->Recv();
     CO_ASSERT_OK(o);
     EXPECT_TRUE(IsNumbered(o->data(), 30000, 1));
-    co_await p->client->Close();
-    co_await p->server->Close();
-    co_await other->client->Close();
-    co_await other->server->Close();
+    co_await Close(*p);
+    co_await Close(*other);
   }(this));
 }
 
@@ -287,10 +281,8 @@ TEST_P(LandingTest, LandedHeaderNamingNoGrantFailsOnlyThatConnection) {
     auto g = co_await good->server->Recv();
     CO_ASSERT_OK(g);
     EXPECT_TRUE(IsNumbered(g->data(), 30000, 3));
-    co_await bad->client->Close();
-    co_await bad->server->Close();
-    co_await good->client->Close();
-    co_await good->server->Close();
+    co_await Close(*bad);
+    co_await Close(*good);
   }(this));
 }
 
@@ -360,8 +352,7 @@ TEST_P(LandingTest, APeerWithSmallerReceiveBuffersGetsLargerMessagesByWrite) {
     CO_ASSERT_OK(m);
     EXPECT_TRUE(IsNumbered(m->data(), 2048, 5));
     EXPECT_EQ(p->client->stats().rendezvous_received, 0u);
-    co_await p->client->Close();
-    co_await p->server->Close();
+    co_await Close(*p);
   }(this));
 }
 
