@@ -6,13 +6,13 @@ namespace coverbs {
 
 void Event::Set() {
   std::lock_guard<std::mutex> lock(mu_);
-  set_ = true;
+  set_.store(true, std::memory_order_release);
   while (internal::SyncWaiter* w = waiters_.pop_front()) w->Wake();
 }
 
 void Event::Reset() {
   std::lock_guard<std::mutex> lock(mu_);
-  set_ = false;
+  set_.store(false, std::memory_order_release);
 }
 
 Task<absl::Status> Event::WaitFor(absl::Duration timeout) {
@@ -25,8 +25,9 @@ Task<absl::Status> Event::WaitFor(absl::Duration timeout) {
 }
 
 bool Event::is_set() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return set_;
+  // A snapshot either way; the acquire pairs with Set's release, so what
+  // the setter wrote before Set() is visible to a caller that sees true.
+  return set_.load(std::memory_order_acquire);
 }
 
 bool Semaphore::TryAcquire(size_t n) {

@@ -10,6 +10,7 @@
 #ifndef COVERBS_CORE_SYNC_H_
 #define COVERBS_CORE_SYNC_H_
 
+#include <atomic>
 #include <cassert>
 #include <coroutine>
 #include <cstddef>
@@ -124,7 +125,9 @@ class Event {
 
  private:
   friend class internal::SyncAwaiterBase<Event>;
-  bool TryLocked(internal::SyncWaiter&) { return set_; }
+  bool TryLocked(internal::SyncWaiter&) {
+    return set_.load(std::memory_order_relaxed);
+  }
   internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
       internal::SyncWaiter&) {
     return waiters_;
@@ -132,7 +135,9 @@ class Event {
   void OnWaiterCancelledLocked() {}
 
   mutable std::mutex mu_;
-  bool set_;
+  // Written under mu_; atomic so that is_set() (several times per message
+  // on the send path) needs no lock.
+  std::atomic<bool> set_;
   internal::IntrusiveList<internal::SyncWaiter> waiters_;
 };
 
