@@ -37,4 +37,6 @@ expect 2 "--server is empty" "$echo_client" --server=
 expect 2 "--server is empty" "$kv_client" --server=
 expect 2 "--max_memory_mb" "$echo_client" --concurrency=1000 --size=67108832
 expect 2 "size" "$echo_client" --size=99999999999
+expect 2 "--srq_initial_credits must be >= 2" "$echo_server" --srq_initial_credits=1
+expect 2 "--eager_size" "$echo_server" --eager_size=10
 exit $fail

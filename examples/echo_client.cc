@@ -2,7 +2,7 @@
 // given size, keeping a given number of calls in flight, checks every echoed
 // byte, and prints calls/s, MB/s and latency percentiles.
 //
-//   echo_client --server=127.0.0.1 --port=7471 --calls=10000 --size=4096 \
+//   echo_client --server=127.0.0.1 --port=7471 --calls=10000 --size=4096
 //               --concurrency=32
 //
 // Exit status: 0 when every call succeeded and every byte matched, 1

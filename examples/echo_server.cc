@@ -117,12 +117,6 @@ int Run() {
     std::fprintf(stderr, "echo_server: --threads must be at least 1\n");
     return 2;
   }
-  auto device = OpenDevice(absl::GetFlag(FLAGS_provider), absl::GetFlag(FLAGS_device));
-  if (!device.ok()) {
-    std::fprintf(stderr, "echo_server: opening the provider: %s\n",
-                 device.status().ToString().c_str());
-    return 1;
-  }
   if (absl::GetFlag(FLAGS_srq_depth) < 0 || absl::GetFlag(FLAGS_cq_entries) < 0 ||
       absl::GetFlag(FLAGS_max_pending_handshakes) < 1) {
     std::fprintf(stderr,
@@ -139,6 +133,19 @@ int Run() {
     return 2;
   }
   ctx_options.srq_buffer_size = static_cast<uint32_t>(eager + 16);
+  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 1) {
+    std::fprintf(stderr,
+                 "echo_server: --srq_initial_credits must be >= 2 (a rendezvous needs two "
+                 "credits) and --send_depth >= 1\n");
+    return 2;
+  }
+  // Every flag checked: now the device (it logs which provider it chose).
+  auto device = OpenDevice(absl::GetFlag(FLAGS_provider), absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    std::fprintf(stderr, "echo_server: opening the provider: %s\n",
+                 device.status().ToString().c_str());
+    return 1;
+  }
   cm::ContextPool::Options pool_options;
   pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
   pool_options.reactor.poll_mode = *poll;
@@ -156,12 +163,6 @@ int Run() {
       static_cast<size_t>(absl::GetFlag(FLAGS_max_pending_handshakes));
   options.listener.connection.use_srq = ctx_options.srq_depth > 0;
   options.listener.connection.rendezvous_threshold = static_cast<size_t>(eager);
-  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 1) {
-    std::fprintf(stderr,
-                 "echo_server: --srq_initial_credits must be >= 2 (a rendezvous needs two "
-                 "credits) and --send_depth >= 1\n");
-    return 2;
-  }
   options.listener.connection.srq_initial_credits =
       static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_initial_credits));
   options.listener.connection.send_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_send_depth));

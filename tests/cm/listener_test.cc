@@ -354,7 +354,9 @@ TEST_F(ListenerTest, RunningOutOfFileDescriptorsNeverEndsTheListener) {
     EXPECT_EQ(setrlimit(RLIMIT_NOFILE, &rl), 0);
     auto took = co_await GoodClient(port);
     EXPECT_TRUE(took.ok()) << took.status();
-    if (took.ok()) EXPECT_LT(*took, absl::Seconds(2));
+    if (took.ok()) {
+      EXPECT_LT(*took, absl::Seconds(2));
+    }
     stop.request_stop();
     (*ln)->Close();
     co_await Sleep(absl::Milliseconds(50));

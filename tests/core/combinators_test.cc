@@ -195,7 +195,7 @@ TEST(JoinTest, HandleDroppedLeavesTheTaskRunning) {
     ++*n;
   };
   { JoinHandle<void> h = Spawn(*r, bump(&ran)); }
-  r->BlockOn(SleepStatus(absl::Milliseconds(20)));
+  EXPECT_TRUE(r->BlockOn(SleepStatus(absl::Milliseconds(20))).ok());
   EXPECT_EQ(ran, 1);
 }
 

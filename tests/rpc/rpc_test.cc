@@ -238,8 +238,12 @@ TEST_P(RpcTest, EchoAcrossSizes) {
       // Large responses are handed over without a copy (at the threshold
       // the client copies conservatively: it compares with its receive
       // buffer size, which includes the connection's own header).
-      if (n <= th) EXPECT_FALSE(r->zero_copy()) << n << " bytes";
-      if (n >= (size_t{1} << 20)) EXPECT_TRUE(r->zero_copy()) << n << " bytes";
+      if (n <= th) {
+        EXPECT_FALSE(r->zero_copy()) << n << " bytes";
+      }
+      if (n >= (size_t{1} << 20)) {
+        EXPECT_TRUE(r->zero_copy()) << n << " bytes";
+      }
     }
     EXPECT_GE((*c)->connection().stats().rendezvous_sent, 3u);
     EXPECT_GE((*c)->connection().stats().rendezvous_received, 3u);

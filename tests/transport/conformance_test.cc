@@ -119,10 +119,6 @@ Task<absl::StatusOr<WorkCompletion>> Await(QueuePair::Op&& op) {
   co_return co_await op;
 }
 
-Task<absl::Status> SleepFor(Reactor* r, absl::Duration d) {
-  co_return co_await r->Sleep(d);
-}
-
 class ConformanceTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {

@@ -72,7 +72,8 @@ int Poll(ProviderCq* cq, ibv_wc* wc, int n, int timeout_ms = 100) {
   for (;;) {
     int got = cq->Poll(n, wc);
     if (got != 0) return got;
-    cq->RequestNotify();
+    // A failed arm only costs a timeout: the loop polls again.
+    cq->RequestNotify().IgnoreError();
     got = cq->Poll(n, wc);
     if (got != 0) return got;
     pollfd p{cq->fd(), POLLIN, 0};
