@@ -24,34 +24,12 @@
 #include "core/timeout.h"
 #include "gtest/gtest.h"
 #include "tests/cm/test_util.h"
+#include "tests/co_assert.h"
 #include "transport/device.h"
 
 namespace coverbs::cm {
 
 using transport::Device;
-
-template <typename T>
-absl::Status StatusOf(const absl::StatusOr<T>& s) {
-  return s.status();
-}
-inline absl::Status StatusOf(const absl::Status& s) { return s; }
-
-// ASSERT for coroutine test bodies (gtest's ASSERT_* use `return`).
-#define CO_ASSERT_OK(expr)                   \
-  do {                                       \
-    absl::Status _st = StatusOf(expr);       \
-    if (!_st.ok()) {                         \
-      ADD_FAILURE() << #expr << ": " << _st; \
-      co_return;                             \
-    }                                        \
-  } while (0)
-#define CO_ASSERT_TRUE(cond)               \
-  do {                                     \
-    if (!(cond)) {                         \
-      ADD_FAILURE() << "false: " << #cond; \
-      co_return;                           \
-    }                                      \
-  } while (0)
 
 inline std::vector<std::byte> Pattern(size_t n, uint8_t seed) {
   std::vector<std::byte> v(n);
@@ -151,6 +129,16 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     p.client = *std::move(c);
     p.server = *std::move(accepted);
     co_return p;
+  }
+
+  // Posts `bytes` as one SEND straight on `c`'s QP, bypassing the cm
+  // framing (a peer that breaks the protocol).
+  static Task<absl::Status> SendRaw(Connection& c,
+                                    std::span<std::byte> bytes) {
+    auto mr = c.context().pd().Register(bytes, IBV_ACCESS_LOCAL_WRITE);
+    if (!mr.ok()) co_return mr.status();
+    auto wc = co_await c.qp().Send(mr->Local());
+    co_return wc.status();
   }
 
   // Closes both ends of a pair (client first).

@@ -606,11 +606,7 @@ TEST_P(CmTest, MalformedHeaderFailsOnlyThatConnection) {
     // A raw SEND of garbage straight on the QP, bypassing the framing.
     std::vector<std::byte> junk = Pattern(64, 0xee);
     junk[0] = std::byte{0x7f};  // no such message type
-    auto mr = t->client_ctx_->pd().Register(junk.data(), junk.size(),
-                                            IBV_ACCESS_LOCAL_WRITE);
-    CO_ASSERT_OK(mr);
-    auto wc = co_await bad->client->qp().Send(mr->Local());
-    CO_ASSERT_OK(wc);
+    CO_ASSERT_OK(co_await SendRaw(*bad->client, junk));
     auto m = co_await bad->server->Recv();
     EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
     EXPECT_NE(std::string(m.status().message()).find("protocol violation"),

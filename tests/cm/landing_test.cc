@@ -266,11 +266,7 @@ TEST_P(LandingTest, LandedHeaderNamingNoGrantFailsOnlyThatConnection) {
     h.cookie = 12345;
     std::vector<std::byte> raw(internal::kHeaderSize);
     std::memcpy(raw.data(), &h, internal::kHeaderSize);
-    auto mr = t->client_ctx_->pd().Register(raw.data(), raw.size(),
-                                            IBV_ACCESS_LOCAL_WRITE);
-    CO_ASSERT_OK(mr);
-    auto wc = co_await bad->client->qp().Send(mr->Local());
-    CO_ASSERT_OK(wc);
+    CO_ASSERT_OK(co_await SendRaw(*bad->client, raw));
     auto m = co_await bad->server->Recv();
     EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
     EXPECT_NE(std::string(m.status().message()).find("landed message names"),

@@ -31,6 +31,7 @@
 #include "rpc/server.h"
 #include "rpc/wire.h"
 #include "tests/cm/test_util.h"
+#include "tests/co_assert.h"
 #include "tests/repeat.h"
 #include "transport/device.h"
 #include "transport/verbs/verbs_provider.h"
@@ -39,21 +40,6 @@ namespace coverbs::rpc {
 namespace {
 
 using transport::Device;
-
-template <typename T>
-absl::Status StatusOf(const absl::StatusOr<T>& s) {
-  return s.status();
-}
-inline absl::Status StatusOf(const absl::Status& s) { return s; }
-
-#define CO_ASSERT_OK(expr)                   \
-  do {                                       \
-    absl::Status _st = StatusOf(expr);       \
-    if (!_st.ok()) {                         \
-      ADD_FAILURE() << #expr << ": " << _st; \
-      co_return;                             \
-    }                                        \
-  } while (0)
 
 using cm::Providers;
 using cm::TestAddress;
