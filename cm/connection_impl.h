@@ -10,6 +10,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <span>
@@ -56,6 +57,17 @@ struct PendingRts {
   uint64_t addr = 0;
   uint32_t rkey = 0;
 };
+
+// Copies `parts` one after the other to `dst`; returns the bytes copied.
+inline size_t CopyParts(std::byte* dst,
+                        std::span<const std::span<const std::byte>> parts) {
+  size_t off = 0;
+  for (auto p : parts) {
+    if (!p.empty()) std::memcpy(dst + off, p.data(), p.size());
+    off += p.size();
+  }
+  return off;
+}
 
 class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  public:
@@ -201,6 +213,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // The same without waiting: true (and `out` set) when the turn, a credit
   // and a buffer were all free; else nothing is taken.
   bool TryAcquireSend(absl::StatusOr<transport::BufferPool::Buffer>& out);
+  // A send that holds the turn and its credit but will not post: gives both
+  // back (the credit only while up: Fail released every waiter with
+  // permits that are not credits).
+  void AbandonTurn();
   Task<absl::Status> TakeCredit();
   // Runs an internal task that keeps the connection alive until it ends.
   void SpawnInternal(Task<void> t);

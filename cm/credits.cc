@@ -39,9 +39,7 @@ Task<absl::Status> ConnectionImpl::SendCreditFrame(
   // Landing grants not yet announced ride along.
   std::array<std::byte, kMaxGrantsPerMessage * kGrantSize> grants;
   size_t room = std::min(grants.size(), buf.size() - kHeaderSize);
-  size_t n = grants_unsent_ > 0
-                 ? WriteGrants(std::span<std::byte>(grants.data(), room))
-                 : 0;
+  size_t n = WriteGrants(std::span<std::byte>(grants.data(), room));
   size_t len = WriteFrame(buf.data(), kCredit, 0, flags,
                           std::span<const std::byte>(grants.data(), n));
   ++credit_msgs_sent_;

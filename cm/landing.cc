@@ -65,17 +65,12 @@ Task<absl::Status> ConnectionImpl::SendLanded(
     // waiting for one in the turn cannot deadlock.
     auto st = co_await GetLandingStaging();
     if (!st.ok() || !status_.ok()) {
-      if (status_.ok()) credits_.Release(1);
-      send_turn_.Release(1);
+      AbandonTurn();
       co_return st.ok() ? CheckUp("send")
                         : OpError("send (landing staging buffer)", st.status());
     }
     staging.emplace(std::move(*st));
-    size_t off = 0;
-    for (auto p : parts) {
-      if (!p.empty()) std::memcpy(staging->data() + off, p.data(), p.size());
-      off += p.size();
-    }
+    CopyParts(staging->data(), parts);
     src = staging->Local(static_cast<uint32_t>(total));
   }
   GrantPayload g = grants_.front();

@@ -25,8 +25,7 @@ Task<absl::Status> ConnectionImpl::SendLarge(
   uint64_t total = 0;
   absl::Status s = PayloadSges(parts, registered, regs, sges, total);
   if (!s.ok()) {
-    if (status_.ok()) credits_.Release(1);
-    send_turn_.Release(1);
+    AbandonTurn();
     co_return s;
   }
   PendingRts pr;
@@ -70,9 +69,9 @@ Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total,
   // The RTS, in the send turn the caller holds with its credit: its place
   // in that turn fixes the message order. Reserve, in the same turn, the
   // credit the completion (DONE or WRITE_WITH_IMM, both consume a receive)
-  // will need: taken later, it
-  // could wait forever behind messages that the receiver queued after
-  // this rendezvous and cannot hand out until it completes.
+  // will need: taken later, it could wait forever behind messages that the
+  // receiver queued after this rendezvous and cannot hand out until it
+  // completes.
   absl::Status s = co_await TakeCredit();
   if (!s.ok()) {
     send_turn_.Release(1);
@@ -86,8 +85,7 @@ Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total,
   if (s.ok()) s = CheckUp("send");
   if (!s.ok()) {
     Unreserve();
-    if (status_.ok()) credits_.Release(1);  // the RTS's own credit
-    send_turn_.Release(1);
+    AbandonTurn();  // and the RTS's own credit
     co_return s;
   }
   WireHeader h;

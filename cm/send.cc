@@ -99,11 +99,15 @@ ConnectionImpl::AcquireSend() {
   // for one here cannot deadlock with credits.
   auto buf = co_await GetSendBuffer();
   if (!buf.ok()) {
-    if (status_.ok()) credits_.Release(1);
-    send_turn_.Release(1);
+    AbandonTurn();
     co_return OpError("send", buf.status());
   }
   co_return std::move(*buf);
+}
+
+void ConnectionImpl::AbandonTurn() {
+  if (status_.ok()) credits_.Release(1);
+  send_turn_.Release(1);
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
@@ -155,11 +159,7 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   FillHeader(h, type, static_cast<uint32_t>(total), cookie, 0);
   std::byte* d = buf->data();
   std::memcpy(d, &h, kHeaderSize);
-  size_t off = kHeaderSize;
-  for (auto p : parts) {
-    if (!p.empty()) std::memcpy(d + off, p.data(), p.size());
-    off += p.size();
-  }
+  size_t off = kHeaderSize + CopyParts(d + kHeaderSize, parts);
   // A payload that fits inline goes inline even when the caller registered
   // it: one SGE copied at post time beats a second SGE the NIC must fetch.
   if (zero_copy != nullptr &&
