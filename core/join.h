@@ -53,17 +53,16 @@ struct JoinState {
   std::stop_source stop;
 
   void Complete(JoinResult<T> r) {
-    std::coroutine_handle<> w;
-    Reactor* wr = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (done) return;
-      result.emplace(std::move(r));
-      done = true;
-      w = std::exchange(waiter, {});
-      wr = waiter_reactor;
+    // Schedules under mu: a waiter whose reactor is being destroyed
+    // unregisters under mu (JoinAwaiter's destructor), so it cannot go away
+    // between taking the waiter and scheduling it.
+    std::lock_guard<std::mutex> lock(mu);
+    if (done) return;
+    result.emplace(std::move(r));
+    done = true;
+    if (std::coroutine_handle<> w = std::exchange(waiter, {})) {
+      waiter_reactor->Schedule(w);
     }
-    if (w) wr->Schedule(w);
   }
 };
 

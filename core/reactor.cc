@@ -209,39 +209,21 @@ void Reactor::Schedule(std::coroutine_handle<> h) {
     ready_.push_back(h);
     return;
   }
-  bool need_wake;
-  {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_handles_.push_back(h);
-    remote_pending_.store(true, std::memory_order_release);
-    need_wake = !wake_signalled_;
-    wake_signalled_ = true;
-  }
-  if (need_wake) Wake();
+  std::lock_guard<std::mutex> lock(remote_mu_);
+  remote_handles_.push_back(h);
+  SignalRemoteLocked();
 }
 
 void Reactor::Post(absl::AnyInvocable<void()> fn) {
-  bool need_wake;
-  {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_fns_.push_back(std::move(fn));
-    remote_pending_.store(true, std::memory_order_release);
-    need_wake = !wake_signalled_;
-    wake_signalled_ = true;
-  }
-  if (need_wake) Wake();
+  std::lock_guard<std::mutex> lock(remote_mu_);
+  remote_fns_.push_back(std::move(fn));
+  SignalRemoteLocked();
 }
 
 void Reactor::PostCancel(internal::CancellableOp* op) {
-  bool need_wake;
-  {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_cancels_.push_back(op);
-    remote_pending_.store(true, std::memory_order_release);
-    need_wake = !wake_signalled_;
-    wake_signalled_ = true;
-  }
-  if (need_wake) Wake();
+  std::lock_guard<std::mutex> lock(remote_mu_);
+  remote_cancels_.push_back(op);
+  SignalRemoteLocked();
 }
 
 namespace {
@@ -258,6 +240,17 @@ void Reactor::Spawn(Task<void> task, std::stop_token token) {
   internal::DetachedTask d = RunDetached(std::move(task));
   d.h.promise().Link(this, std::move(token));
   ready_.push_back(d.h);
+}
+
+void Reactor::SignalRemoteLocked() {
+  remote_pending_.store(true, std::memory_order_release);
+  if (wake_signalled_) return;
+  wake_signalled_ = true;
+  // The eventfd write happens under remote_mu_: the loop takes remote_mu_
+  // to drain what was pushed, so once it has run a remote handle (and its
+  // owner may destroy the reactor) no other thread is still about to write
+  // to wake_fd_. Waking after unlocking raced with ~Reactor's close().
+  Wake();
 }
 
 void Reactor::Wake() {

@@ -263,6 +263,8 @@ class Reactor {
   int PollAll();
   void ArmWake();
   void Wake();
+  // With remote_mu_ held: marks remote work pending and wakes the loop once.
+  void SignalRemoteLocked();
   void Sleep(std::optional<SteadyTime> deadline);
   internal::IoSlot* AllocSlot();
   void FreeSlot(internal::IoSlot* s);
