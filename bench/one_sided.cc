@@ -57,9 +57,9 @@ Task<absl::Status> DriveOneSided(ClientConn* c, const RunSpec& spec,
   {
     auto m = co_await c->conn->Recv();
     if (!m.ok()) co_return m.status();
-    auto token = cm::RegionToken::Decode(m->data());
+    auto token = transport::RemoteRegion::Decode(m->data());
     if (!token.ok()) co_return token.status();
-    remote = token->region;
+    remote = *token;
   }
   std::vector<uint64_t> last_tag(depth, ~uint64_t{0});
   Window w(depth);

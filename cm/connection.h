@@ -145,17 +145,6 @@ class Message {
   internal::MessageBuffer* owner_ = nullptr;
 };
 
-// A memory region exposed to the peer, as a token that travels in a message:
-//   auto enc = token.Encode();  co_await conn.Send(enc);
-//   auto token = RegionToken::Decode(message.data());
-struct RegionToken {
-  static constexpr size_t kEncodedSize = 20;
-  transport::RemoteRegion region;
-  // Bytes, ready for Send (a plain array: no allocation).
-  std::array<std::byte, kEncodedSize> Encode() const;
-  static absl::StatusOr<RegionToken> Decode(std::span<const std::byte> data);
-};
-
 class Connection {
  public:
   ~Connection();  // closes abruptly if Close() was not awaited (bounded)
@@ -182,15 +171,15 @@ class Connection {
   // not registered in this connection's PD with the asked remote access
   // (IBV_ACCESS_REMOTE_READ / _WRITE / _ATOMIC). Revocation: deregister the
   // region; later peer accesses fail with a remote access error.
-  absl::StatusOr<RegionToken> Expose(
+  absl::StatusOr<transport::RemoteRegion> Expose(
       const transport::MemoryRegion& mr, int access, size_t offset = 0,
       size_t length = transport::MemoryRegion::npos);
   // All of `mr` with the remote access it was registered with
   // (InvalidArgument if it has none). The token carries the region's rkey,
   // so the peer gets exactly that access.
-  absl::StatusOr<RegionToken> Expose(const transport::MemoryRegion& mr);
+  absl::StatusOr<transport::RemoteRegion> Expose(const transport::MemoryRegion& mr);
   // With typed flags (transport::Access::kRemoteRead, ...).
-  absl::StatusOr<RegionToken> Expose(
+  absl::StatusOr<transport::RemoteRegion> Expose(
       const transport::MemoryRegion& mr, transport::Access access,
       size_t offset = 0, size_t length = transport::MemoryRegion::npos) {
     return Expose(mr, static_cast<int>(access), offset, length);

@@ -88,33 +88,7 @@ Task<absl::Status> ConnectionImpl::OneSidedPlain(bool read,
 
 }  // namespace internal
 
-// ---------------------------------------------------------------------------
-// RegionToken
-
-std::array<std::byte, RegionToken::kEncodedSize> RegionToken::Encode() const {
-  std::array<std::byte, kEncodedSize> out{};
-  std::memcpy(out.data(), &region.addr, 8);
-  std::memcpy(out.data() + 8, &region.length, 8);
-  std::memcpy(out.data() + 16, &region.rkey, 4);
-  return out;
-}
-
-absl::StatusOr<RegionToken> RegionToken::Decode(
-    std::span<const std::byte> data) {
-  if (data.size() != kEncodedSize) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "region token: %d bytes, expected %d", data.size(), kEncodedSize));
-  }
-  RegionToken t;
-  std::memcpy(&t.region.addr, data.data(), 8);
-  std::memcpy(&t.region.length, data.data() + 8, 8);
-  std::memcpy(&t.region.rkey, data.data() + 16, 4);
-  if (t.region.length == 0 || t.region.addr + t.region.length < t.region.addr) {
-    return absl::InvalidArgumentError("region token: empty or wrapping range");
-  }
-  return t;
-}
-absl::StatusOr<RegionToken> Connection::Expose(
+absl::StatusOr<transport::RemoteRegion> Connection::Expose(
     const transport::MemoryRegion& mr, int access, size_t offset,
     size_t length) {
   constexpr int kRemote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE |
@@ -138,12 +112,10 @@ absl::StatusOr<RegionToken> Connection::Expose(
     return absl::OutOfRangeError(
         absl::StrCat("expose on ", name(), ": offset beyond the region"));
   }
-  RegionToken t;
-  t.region = mr.Remote(offset, length);
-  return t;
+  return mr.Remote(offset, length);
 }
 
-absl::StatusOr<RegionToken> Connection::Expose(
+absl::StatusOr<transport::RemoteRegion> Connection::Expose(
     const transport::MemoryRegion& mr) {
   constexpr int kRemote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE |
                           IBV_ACCESS_REMOTE_ATOMIC;

@@ -37,6 +37,7 @@
 
 namespace coverbs {
 using transport::Access;
+using transport::RemoteRegion;
 
 // The bytes of a string: to register, Read into, Write or Send from.
 inline std::span<std::byte> AsBytes(std::string& s) {

@@ -10,8 +10,8 @@ Task<absl::Status> Server(cm::Listener& listener, std::string& region) {
                                    AsBytes(region), Access::kRemoteRead));
   CO_ASSIGN_OR_RETURN(auto msg, co_await conn->Recv());
   CO_RETURN_IF_ERROR(co_await conn->Send(msg.data()));  // the echo
-  CO_ASSIGN_OR_RETURN(auto token, conn->Expose(mr));
-  CO_RETURN_IF_ERROR(co_await conn->Send(token.Encode()));  // where to read
+  CO_ASSIGN_OR_RETURN(auto exposed, conn->Expose(mr));
+  CO_RETURN_IF_ERROR(co_await conn->Send(exposed.Encode()));  // where to read
   auto bye = co_await conn->Recv();  // until the client closes
   co_return absl::OkStatus();
 }
@@ -21,9 +21,9 @@ Task<absl::Status> Client(cm::Context& ctx, uint16_t port) {
   CO_RETURN_IF_ERROR(co_await conn->Send("hello"));
   CO_ASSIGN_OR_RETURN(auto echo, co_await conn->Recv());
   CO_ASSIGN_OR_RETURN(auto msg, co_await conn->Recv());
-  CO_ASSIGN_OR_RETURN(auto token, cm::RegionToken::Decode(msg.data()));
-  std::string copy(token.region.length, '\0');
-  CO_RETURN_IF_ERROR(co_await conn->Read(AsBytes(copy), token.region));
+  CO_ASSIGN_OR_RETURN(auto remote, RemoteRegion::Decode(msg.data()));
+  std::string copy(remote.length, '\0');
+  CO_RETURN_IF_ERROR(co_await conn->Read(AsBytes(copy), remote));
   std::printf("echo: %s, read: %s\n", std::string(echo.text()).c_str(),
               copy.c_str());
   co_return co_await conn->Close();

@@ -3,10 +3,37 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_format.h"
 
 namespace coverbs::transport {
+
+std::array<std::byte, RemoteRegion::kEncodedSize> RemoteRegion::Encode()
+    const {
+  std::array<std::byte, kEncodedSize> out{};
+  std::memcpy(out.data(), &addr, 8);
+  std::memcpy(out.data() + 8, &length, 8);
+  std::memcpy(out.data() + 16, &rkey, 4);
+  return out;
+}
+
+absl::StatusOr<RemoteRegion> RemoteRegion::Decode(
+    std::span<const std::byte> data) {
+  if (data.size() != kEncodedSize) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "remote region: %d bytes, expected %d", data.size(), kEncodedSize));
+  }
+  RemoteRegion r;
+  std::memcpy(&r.addr, data.data(), 8);
+  std::memcpy(&r.length, data.data() + 8, 8);
+  std::memcpy(&r.rkey, data.data() + 16, 4);
+  if (r.length == 0 || r.addr + r.length < r.addr) {
+    return absl::InvalidArgumentError(
+        "remote region: empty or wrapping range");
+  }
+  return r;
+}
 
 RemoteRegion RemoteRegion::Slice(uint64_t offset, uint64_t len) const {
   offset = std::min(offset, length);

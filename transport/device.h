@@ -10,6 +10,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -43,6 +44,16 @@ struct RemoteRegion {
   uint32_t rkey = 0;
   // A sub-range; offset/length are clamped to the region.
   RemoteRegion Slice(uint64_t offset, uint64_t len) const;
+
+  // The 20 bytes that travel to the peer (addr, length, rkey; host order:
+  // both ends run coverbs on the same architecture). A plain array, ready
+  // for Send, no allocation:
+  //   co_await conn->Send(region.Encode());
+  //   CO_ASSIGN_OR_RETURN(auto remote, RemoteRegion::Decode(msg.data()));
+  static constexpr size_t kEncodedSize = 20;
+  std::array<std::byte, kEncodedSize> Encode() const;
+  // InvalidArgument for a wrong size, an empty or a wrapping range.
+  static absl::StatusOr<RemoteRegion> Decode(std::span<const std::byte> data);
 };
 
 // Memory access rights of a registration, typed (the values are verbs'

@@ -644,9 +644,9 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     // Expose(mr): the whole region with its own access -- the same token.
     auto whole = p->server->Expose(*mr);
     CO_ASSERT_OK(whole);
-    EXPECT_EQ(whole->region.rkey, tok->region.rkey);
-    EXPECT_EQ(whole->region.addr, tok->region.addr);
-    EXPECT_EQ(whole->region.length, region.size());
+    EXPECT_EQ(whole->rkey, tok->rkey);
+    EXPECT_EQ(whole->addr, tok->addr);
+    EXPECT_EQ(whole->length, region.size());
     // A region with no remote access cannot be exposed.
     std::vector<std::byte> private_bytes(64);
     auto local_only = t->server_ctx_->pd().Register(
@@ -664,58 +664,58 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     CO_ASSERT_OK(co_await p->server->Send(enc));
     auto m = co_await p->client->Recv();
     CO_ASSERT_OK(m);
-    auto remote = RegionToken::Decode(m->data());
+    auto remote = transport::RemoteRegion::Decode(m->data());
     CO_ASSERT_OK(remote);
     std::vector<std::byte> local(65536);
     auto lmr = t->client_ctx_->pd().Register(local.data(), local.size(),
                                              IBV_ACCESS_LOCAL_WRITE);
     CO_ASSERT_OK(lmr);
-    CO_ASSERT_OK(co_await p->client->Read(lmr->Local(), remote->region));
+    CO_ASSERT_OK(co_await p->client->Read(lmr->Local(), (*remote)));
     EXPECT_TRUE(Same(local, region));
     auto fresh = Pattern(4096, 99);
     std::memcpy(local.data(), fresh.data(), fresh.size());
     CO_ASSERT_OK(co_await p->client->Write(lmr->Local(0, 4096),
-                                           remote->region.Slice(8192, 4096)));
+                                           (*remote).Slice(8192, 4096)));
     // A WRITE completes once placed on IB/RoCE but once handed to TCP on
     // iWARP (siw: the region was seen unchanged right after it). A READ
     // behind it on the same connection is served after the WRITE is placed.
     CO_ASSERT_OK(co_await p->client->Read(lmr->Local(4096, 4096),
-                                          remote->region.Slice(8192, 4096)));
+                                          (*remote).Slice(8192, 4096)));
     EXPECT_TRUE(Same(std::span(local).subspan(4096, 4096), fresh));
     EXPECT_TRUE(Same(std::span(region).subspan(8192, 4096), fresh));
     // The same on plain memory (registered through the Context's cache).
     std::vector<std::byte> plain(4096);
     CO_ASSERT_OK(co_await p->client->Read(std::span(plain),
-                                          remote->region.Slice(8192, 4096)));
+                                          (*remote).Slice(8192, 4096)));
     EXPECT_TRUE(Same(plain, fresh));
     const auto plain_src = Pattern(2048, 55);
     CO_ASSERT_OK(co_await p->client->Write(std::span(plain_src),
-                                           remote->region.Slice(16384, 2048)));
+                                           (*remote).Slice(16384, 2048)));
     std::vector<std::byte> back(2048);
     CO_ASSERT_OK(co_await p->client->Read(std::span(back),
-                                          remote->region.Slice(16384, 2048)));
+                                          (*remote).Slice(16384, 2048)));
     EXPECT_TRUE(Same(back, plain_src));
     EXPECT_TRUE(Same(std::span(region).subspan(16384, 2048), plain_src));
     // Nothing to read into: refused before anything is posted.
     std::span<std::byte> none;
-    auto empty = co_await p->client->Read(none, remote->region.Slice(0, 8));
+    auto empty = co_await p->client->Read(none, (*remote).Slice(0, 8));
     EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
     if (t->device_->caps().atomics) {
       uint64_t before;
       std::memcpy(&before, region.data(), 8);
-      auto v = co_await p->client->FetchAdd(remote->region.Slice(0, 8), 5);
+      auto v = co_await p->client->FetchAdd((*remote).Slice(0, 8), 5);
       CO_ASSERT_OK(v);
       EXPECT_EQ(*v, before);
       uint64_t after;
       std::memcpy(&after, region.data(), 8);
       EXPECT_EQ(after, before + 5);
-      auto c = co_await p->client->CompareSwap(remote->region.Slice(0, 8),
+      auto c = co_await p->client->CompareSwap((*remote).Slice(0, 8),
                                                after, 42);
       CO_ASSERT_OK(c);
       std::memcpy(&after, region.data(), 8);
       EXPECT_EQ(after, 42u);
     } else {
-      auto v = co_await p->client->FetchAdd(remote->region.Slice(0, 8), 5);
+      auto v = co_await p->client->FetchAdd((*remote).Slice(0, 8), 5);
       EXPECT_EQ(v.status().code(), absl::StatusCode::kFailedPrecondition);
     }
     // Revoke: every later access fails and changes no byte on either side.
@@ -734,7 +734,7 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
               s.code() == absl::StatusCode::kUnavailable);
     };
     auto w = co_await p->client->Write(lmr->Local(0, 4096),
-                                       remote->region.Slice(0, 4096));
+                                       (*remote).Slice(0, 4096));
     // iWARP completes a WRITE once TCP has it; the responder refuses it and
     // ends the connection (conformance_test.cc: ExpectRemoteError).
     if (!t->iwarp() || !w.ok()) {
@@ -743,12 +743,12 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     auto q = co_await t->MakePair();
     CO_ASSERT_OK(q);
     auto r = co_await q->client->Read(lmr->Local(0, 4096),
-                                      remote->region.Slice(0, 4096));
+                                      (*remote).Slice(0, 4096));
     EXPECT_TRUE(refused(r, "RDMA READ on ")) << "after revocation: " << r;
     if (t->device_->caps().atomics) {
       auto a = co_await t->MakePair();
       CO_ASSERT_OK(a);
-      auto v = co_await a->client->FetchAdd(remote->region.Slice(0, 8), 5);
+      auto v = co_await a->client->FetchAdd((*remote).Slice(0, 8), 5);
       EXPECT_TRUE(refused(v.status(), "FETCH_ADD on "))
           << "after revocation: " << v.status();
       co_await a->client->Close();

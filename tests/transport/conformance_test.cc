@@ -987,6 +987,26 @@ TEST_P(ConformanceTest, ReportsCapabilities) {
       c.atomics, c.write_with_imm, c.max_inline_data, c.enforces_remote_read);
 }
 
+// What Expose hands the peer: 20 bytes that decode to the same region, and
+// garbage refused with a reason rather than turned into an rkey.
+TEST(RemoteRegionTest, EncodeDecode) {
+  RemoteRegion r{0x7f0012345678, 65536, 0xabcd1234};
+  auto enc = r.Encode();
+  auto back = RemoteRegion::Decode(enc);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->addr, r.addr);
+  EXPECT_EQ(back->length, r.length);
+  EXPECT_EQ(back->rkey, r.rkey);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      RemoteRegion::Decode(std::span(enc).first(19)).status()));
+  RemoteRegion empty{0x1000, 0, 1};
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(RemoteRegion::Decode(empty.Encode()).status()));
+  RemoteRegion wrap{~uint64_t{0} - 10, 100, 1};
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(RemoteRegion::Decode(wrap.Encode()).status()));
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, ConformanceTest,
                          ::testing::ValuesIn(Providers()),
                          [](const auto& info) { return info.param; });
