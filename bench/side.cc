@@ -57,7 +57,13 @@ Task<double> PoolCpuAsync(ReactorPool* pool) {
 absl::StatusOr<std::unique_ptr<Side>> Side::Create(int threads, PollMode poll) {
   auto side = std::make_unique<Side>();
   transport::ProviderOptions po;
-  po.kind = absl::GetFlag(FLAGS_provider);
+  absl::StatusOr<transport::ProviderKind> kind =
+      transport::ParseProviderKind(absl::GetFlag(FLAGS_provider));
+  if (!kind.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--provider: ", kind.status().message()));
+  }
+  po.kind = *kind;
   po.device = absl::GetFlag(FLAGS_device);
   auto d = transport::Device::Open(po);
   if (!d.ok()) return d.status();

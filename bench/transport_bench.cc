@@ -61,7 +61,7 @@ void BM_SoftSendCompletion(benchmark::State& state) {
   const size_t size = state.range(0);
   auto reactor = *Reactor::Create();
   ProviderOptions o;
-  o.kind = "soft";
+  o.kind = ProviderKind::kSoft;
   auto device = *Device::Open(o);
   auto pd = *device->AllocPd();
   auto cq = *CompletionQueue::Create(*device, *reactor);

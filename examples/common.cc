@@ -88,7 +88,13 @@ bool CheckAddressFlag(const char* program, const char* flag,
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device) {
   transport::ProviderOptions o;
-  o.kind = provider;
+  absl::StatusOr<transport::ProviderKind> kind =
+      transport::ParseProviderKind(provider);
+  if (!kind.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--provider: ", kind.status().message()));
+  }
+  o.kind = *kind;
   o.device = device;
   return transport::Device::Open(o);
 }

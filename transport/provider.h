@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -206,10 +207,19 @@ class Provider {
 };
 
 // Which provider to open.
+enum class ProviderKind {
+  kDefault,  // COVERBS_PROVIDER from the environment, else kAuto
+  kAuto,     // verbs if ibv_get_device_list finds a device, else soft
+  kVerbs,    // rdma-core: a real NIC, Soft-RoCE (rxe) or SoftiWARP (siw)
+  kSoft,     // the software RNIC over TCP
+};
+// "auto", "verbs" or "soft", as flags and COVERBS_PROVIDER spell them
+// (InvalidArgument naming the three otherwise); "" is kDefault.
+absl::StatusOr<ProviderKind> ParseProviderKind(std::string_view name);
+std::string_view ProviderKindName(ProviderKind kind);
+
 struct ProviderOptions {
-  // "auto" (verbs if ibv_get_device_list finds a device, else soft), "verbs"
-  // or "soft". Empty: COVERBS_PROVIDER from the environment, else "auto".
-  std::string kind;
+  ProviderKind kind = ProviderKind::kDefault;
   // verbs: device name (e.g. "rxe0"); empty = first device with an active
   // port. Empty: COVERBS_DEVICE from the environment.
   std::string device;

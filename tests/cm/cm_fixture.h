@@ -51,7 +51,7 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
     transport::ProviderOptions o;
-    o.kind = GetParam();
+    o.kind = *transport::ParseProviderKind(GetParam());
     auto d = Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);

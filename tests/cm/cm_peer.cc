@@ -47,7 +47,9 @@ int main(int argc, char** argv) {
   auto r = coverbs::Reactor::Create();
   if (!r.ok()) return 3;
   coverbs::transport::ProviderOptions o;
-  o.kind = argv[1];
+  auto kind = coverbs::transport::ParseProviderKind(argv[1]);
+  if (!kind.ok()) return 2;
+  o.kind = *kind;
   auto d = coverbs::transport::Device::Open(o);
   if (!d.ok()) return 4;
   auto ctx = coverbs::cm::Context::Create(**r, **d);

@@ -13,7 +13,7 @@ namespace {
 
 std::unique_ptr<transport::Device> Soft() {
   transport::ProviderOptions o;
-  o.kind = "soft";
+  o.kind = transport::ProviderKind::kSoft;
   auto d = transport::Device::Open(o);
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? *std::move(d) : nullptr;

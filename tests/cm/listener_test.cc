@@ -102,7 +102,7 @@ class ListenerTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
     transport::ProviderOptions o;
-    o.kind = "soft";
+    o.kind = transport::ProviderKind::kSoft;
     auto d = transport::Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);

@@ -39,7 +39,7 @@ TEST_P(ScaleTest, ThousandConnectionsOnOneContextEachSide) {
   ASSERT_TRUE(r.ok()) << r.status();
   std::unique_ptr<Reactor> reactor = *std::move(r);
   transport::ProviderOptions po;
-  po.kind = GetParam();
+  po.kind = *transport::ParseProviderKind(GetParam());
   auto d = transport::Device::Open(po);
   ASSERT_TRUE(d.ok()) << d.status();
   auto server_ctx = Context::Create(*reactor, **d);

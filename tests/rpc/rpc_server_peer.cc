@@ -44,8 +44,11 @@ int main(int argc, char** argv) {
   auto r = coverbs::Reactor::Create();
   if (!r.ok()) return 3;
   coverbs::transport::ProviderOptions o;
-  o.kind = argv[1];
-  if (const char* dev = std::getenv("COVERBS_VM_DEV"); dev && o.kind == "verbs") {
+  auto kind = coverbs::transport::ParseProviderKind(argv[1]);
+  if (!kind.ok()) return 2;
+  o.kind = *kind;
+  if (const char* dev = std::getenv("COVERBS_VM_DEV");
+      dev && o.kind == coverbs::transport::ProviderKind::kVerbs) {
     o.device = dev;
   }
   auto d = coverbs::transport::Device::Open(o);

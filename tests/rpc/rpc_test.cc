@@ -69,8 +69,9 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
  public:
   void SetUp() override {
     transport::ProviderOptions o;
-    o.kind = GetParam();
-    if (const char* dev = std::getenv("COVERBS_VM_DEV"); dev && o.kind == "verbs") {
+    o.kind = *transport::ParseProviderKind(GetParam());
+    if (const char* dev = std::getenv("COVERBS_VM_DEV");
+        dev && o.kind == transport::ProviderKind::kVerbs) {
       o.device = dev;
     }
     auto d = Device::Open(o);

@@ -135,16 +135,16 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
     ProviderOptions o;
-    o.kind = GetParam();
+    o.kind = *ParseProviderKind(GetParam());
     // In the VM each end may sit on its own device (veth: rxe0 and rxe1).
     const char* dev_a = std::getenv("COVERBS_VM_DEV");
     const char* dev_b = std::getenv("COVERBS_VM_DEV_B");
-    if (o.kind == "verbs" && dev_a != nullptr) o.device = dev_a;
+    if (o.kind == ProviderKind::kVerbs && dev_a != nullptr) o.device = dev_a;
     auto d = Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);
     Device* device_b = device_.get();
-    if (o.kind == "verbs" && dev_a != nullptr && dev_b != nullptr &&
+    if (o.kind == ProviderKind::kVerbs && dev_a != nullptr && dev_b != nullptr &&
         std::string(dev_a) != dev_b) {
       o.device = dev_b;
       auto db = Device::Open(o);
@@ -1005,6 +1005,26 @@ TEST(RemoteRegionTest, EncodeDecode) {
   RemoteRegion wrap{~uint64_t{0} - 10, 100, 1};
   EXPECT_TRUE(
       absl::IsInvalidArgument(RemoteRegion::Decode(wrap.Encode()).status()));
+}
+
+TEST(ProviderKindTest, NamesParseAndUnknownOnesAreRefused) {
+  for (ProviderKind k : {ProviderKind::kAuto, ProviderKind::kVerbs,
+                         ProviderKind::kSoft}) {
+    auto parsed = ParseProviderKind(ProviderKindName(k));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, k);
+  }
+  EXPECT_EQ(*ParseProviderKind(""), ProviderKind::kDefault);
+  auto bad = ParseProviderKind("rxe");
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_NE(bad.status().message().find("auto, verbs or soft"),
+            std::string::npos);
+  // The environment's spelling is checked the same way, and says so.
+  setenv("COVERBS_PROVIDER", "sfot", 1);
+  auto p = OpenProvider({});
+  unsetenv("COVERBS_PROVIDER");
+  EXPECT_TRUE(absl::IsInvalidArgument(p.status()));
+  EXPECT_NE(p.status().message().find("COVERBS_PROVIDER"), std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, ConformanceTest,

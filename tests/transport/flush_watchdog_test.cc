@@ -51,7 +51,7 @@ class FlushWatchdogTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
     ProviderOptions o;
-    o.kind = "soft";
+    o.kind = ProviderKind::kSoft;
     auto d = Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);
