@@ -15,7 +15,8 @@ namespace {
 struct Pending;
 }
 
-struct Client::State {
+namespace internal {
+struct ClientState {
   std::unique_ptr<cm::Connection> conn;
   ClientOptions options;
   Reactor* reactor = nullptr;
@@ -27,20 +28,22 @@ struct Client::State {
   DecodeLimits limits;
   size_t eager_max = 0;  // responses up to this size sit in a receive buffer
   bool closing = false;
-  Stats stats;
+  Client::Stats stats;
 
   void FailAll(const absl::Status& why);
 };
+}  // namespace internal
+using internal::ClientState;
 
 namespace {
 
 // One waiting call; lives in the Call coroutine's frame.
 struct Pending {
-  Client::State* st;
+  ClientState* st;
   uint64_t id;
   Event done;
   std::optional<absl::StatusOr<Response>> result;
-  Pending(Client::State* s, uint64_t i) : st(s), id(i) {}
+  Pending(ClientState* s, uint64_t i) : st(s), id(i) {}
   ~Pending() {
     // Frame destroyed while registered (reactor shutdown): unregister.
     auto it = st->pending.find(id);
@@ -67,7 +70,7 @@ Task<absl::Status> SendAndWait(cm::Connection* conn, Pending* p,
   co_return co_await p->done.Wait();
 }
 
-Task<void> SendCancel(std::shared_ptr<Client::State> st, uint64_t id,
+Task<void> SendCancel(std::shared_ptr<ClientState> st, uint64_t id,
                       uint32_t method_id) {
   HeaderBytes hdr = CancelHeader(id, method_id);
   if (!st->status.ok()) co_return;
@@ -75,7 +78,7 @@ Task<void> SendCancel(std::shared_ptr<Client::State> st, uint64_t id,
   (void)co_await st->conn->Send(std::span<const std::byte>(hdr));
 }
 
-Task<void> Reader(std::shared_ptr<Client::State> st) {
+Task<void> Reader(std::shared_ptr<ClientState> st) {
   cm::Connection& conn = *st->conn;
   bool close = false;
   for (;;) {
@@ -124,7 +127,7 @@ Task<void> Reader(std::shared_ptr<Client::State> st) {
 
 }  // namespace
 
-void Client::State::FailAll(const absl::Status& why) {
+void ClientState::FailAll(const absl::Status& why) {
   if (status.ok()) status = why;
   auto calls = std::move(pending);
   pending.clear();

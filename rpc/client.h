@@ -53,6 +53,10 @@ struct CallOptions {
   std::stop_token cancel;  // in addition to the caller's ambient token
 };
 
+namespace internal {
+struct ClientState;  // rpc/client.cc
+}  // namespace internal
+
 class Client {
  public:
   // Connects and starts the client on ctx's reactor (call it there).
@@ -97,9 +101,8 @@ class Client {
   };
   Stats stats() const;
 
-  struct State;  // internal
-
  private:
+  using State = internal::ClientState;
   explicit Client(std::shared_ptr<State> s) : state_(std::move(s)) {}
   std::shared_ptr<State> state_;
 };

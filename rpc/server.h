@@ -144,9 +144,8 @@ class Server {
   };
   Stats stats() const;
 
-  struct Conn;  // internal, per connection
-
  private:
+  struct Conn;  // per connection, rpc/server.cc
   struct Method {
     std::string name;
     Handler handler;
