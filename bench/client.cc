@@ -73,8 +73,8 @@ Client::~Client() {
 absl::Status Client::Connect(int n) {
   for (int k = 0; k < n; ++k) {
     auto c = std::make_unique<ClientConn>();
-    c->reactor = k % side_->contexts->size();
-    c->ctx = &side_->contexts->context(c->reactor);
+    c->reactor = k % side_->workers->size();
+    c->ctx = &side_->workers->worker(c->reactor);
     ClientConn* cp = c.get();
     absl::Status s = RunOn<absl::Status>(
         side_, c->reactor, [this, cp]() -> Task<absl::Status> {

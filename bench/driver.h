@@ -17,7 +17,7 @@
 #include "bench/protocol.h"
 #include "bench/report.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/sync.h"
 #include "core/task.h"
 #include "rpc/client.h"
@@ -42,7 +42,7 @@ struct ConnRun {
 };
 
 struct ClientConn {
-  cm::Context* ctx = nullptr;
+  cm::Worker* ctx = nullptr;
   size_t reactor = 0;
   std::unique_ptr<cm::Connection> conn;
   std::unique_ptr<rpc::Client> rpc;

@@ -14,7 +14,7 @@
 // the server's verdict (and, on connection 0, the server's CPU time).
 //
 // Files: flags.{h,cc} (the command line), side.{h,cc} (device, reactors,
-// contexts, CPU), server.{h,cc}, client.{h,cc} and driver.{h,cc} (the two
+// workers, CPU), server.{h,cc}, client.{h,cc} and driver.{h,cc} (the two
 // ends), one file per test kind (send_bw.cc, send_lat.cc, one_sided.cc,
 // rpc_echo.cc; see test_kinds.h), run_client.{h,cc} (the loop over tests
 // and sizes) and report.{h,cc} (table, JSON, CSV, plot).

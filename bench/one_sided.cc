@@ -106,7 +106,7 @@ Task<absl::Status> ServeOneSided(cm::Connection* conn, const Params& p,
   }
   const int access = IBV_ACCESS_LOCAL_WRITE |
                      (write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-  auto mr = conn->context().pd().Register(mem.data(), mem.size(), access);
+  auto mr = conn->worker().pd().Register(mem.data(), mem.size(), access);
   if (!mr.ok()) co_return mr.status();
   auto token = conn->Expose(
       *mr, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);

@@ -38,7 +38,7 @@ Task<absl::Status> DriveSendLat(ClientConn* c, const RunSpec& spec,
 Task<absl::Status> ServeSendLat(cm::Connection* conn, const Params& p,
                                 Reply* rep) {
   std::vector<std::byte> mem(std::max<uint64_t>(p.size, 1));
-  auto mr = conn->context().pd().Register(mem.data(), mem.size(),
+  auto mr = conn->worker().pd().Register(mem.data(), mem.size(),
                                           IBV_ACCESS_LOCAL_WRITE);
   if (!mr.ok()) co_return mr.status();
   transport::LocalBuffer lb = mr->Local();

@@ -21,7 +21,7 @@ absl::Status Server::Start(const std::string& address, uint16_t port,
   std::promise<absl::StatusOr<std::unique_ptr<cm::Listener>>> p;
   auto f = p.get_future();
   side_->pool().Post(0, [&]() {
-    p.set_value(cm::Listener::Create(side_->contexts->context(0), address, port, lo));
+    p.set_value(cm::Listener::Create(side_->workers->worker(0), address, port, lo));
   });
   auto ln = f.get();
   if (!ln.ok()) return ln.status();
@@ -34,7 +34,7 @@ absl::Status Server::Start(const std::string& address, uint16_t port,
   rpc_ = std::make_unique<rpc::Server>(ro);
   absl::Status s = RegisterEcho(*rpc_);
   if (!s.ok()) return s;
-  return rpc_->Start(side_->contexts->contexts(), address, rpc_port);
+  return rpc_->Start(side_->workers->workers(), address, rpc_port);
 }
 
 void Server::Shutdown() {
@@ -51,9 +51,9 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> ln) {
   while (true) {
     auto req = co_await ln->Next();
     if (!req.ok()) break;  // cancelled by Shutdown
-    size_t i = next++ % side_->contexts->size();
+    size_t i = next++ % side_->workers->size();
     side_->pool().Spawn(
-        i, AcceptAndServe(*std::move(req), &side_->contexts->context(i)),
+        i, AcceptAndServe(*std::move(req), &side_->workers->worker(i)),
         stop_.get_token());
   }
   ln->Close();
@@ -61,7 +61,7 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> ln) {
 }
 
 Task<void> Server::AcceptAndServe(std::unique_ptr<cm::ConnectRequest> req,
-                                  cm::Context* ctx) {
+                                  cm::Worker* ctx) {
   ++live_;
   auto conn = co_await req->Accept(*ctx);
   if (conn.ok()) {

@@ -37,7 +37,7 @@ class Server {
  private:
   Task<void> AcceptLoop(std::unique_ptr<cm::Listener> ln);
   Task<void> AcceptAndServe(std::unique_ptr<cm::ConnectRequest> req,
-                            cm::Context* ctx);
+                            cm::Worker* ctx);
   Task<void> Serve(cm::Connection* conn);
   Task<absl::Status> Run(cm::Connection* conn, const Params& p, Reply* rep);
 

@@ -68,14 +68,14 @@ absl::StatusOr<std::unique_ptr<Side>> Side::Create(int threads, PollMode poll) {
   auto d = transport::Device::Open(po);
   if (!d.ok()) return d.status();
   side->device = *std::move(d);
-  cm::ContextPool::Options o;
+  cm::WorkerPool::Options o;
   o.threads = static_cast<size_t>(threads);
   o.reactor.poll_mode = poll;
   // Room for many connections with deep queues on one CQ.
-  o.context.cq_entries = 8192;
-  auto contexts = cm::ContextPool::Create(*side->device, o);
-  if (!contexts.ok()) return contexts.status();
-  side->contexts = *std::move(contexts);
+  o.worker.cq_entries = 8192;
+  auto workers = cm::WorkerPool::Create(*side->device, o);
+  if (!workers.ok()) return workers.status();
+  side->workers = *std::move(workers);
   return side;
 }
 

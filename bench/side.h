@@ -1,5 +1,5 @@
 // One side of the bench (the server's or the client's): a device, a pool of
-// reactors and one cm::Context per reactor; and the CPU time of that pool's
+// reactors and one cm::Worker per reactor; and the CPU time of that pool's
 // threads, which the bench reports per message.
 #ifndef COVERBS_BENCH_SIDE_H_
 #define COVERBS_BENCH_SIDE_H_
@@ -10,8 +10,8 @@
 
 #include "absl/status/statusor.h"
 #include "cm/connection.h"
-#include "cm/context.h"
-#include "cm/context_pool.h"
+#include "cm/worker.h"
+#include "cm/worker_pool.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "core/task.h"
@@ -19,15 +19,15 @@
 
 namespace coverbs::bench {
 
-// The device and one cm::Context per reactor of a pool (cm::ContextPool).
+// The device and one cm::Worker per reactor of a pool (cm::WorkerPool).
 struct Side {
   std::unique_ptr<transport::Device> device;
-  std::unique_ptr<cm::ContextPool> contexts;  // goes before the device
+  std::unique_ptr<cm::WorkerPool> workers;  // goes before the device
 
   // Opens the device --provider / --device name.
   static absl::StatusOr<std::unique_ptr<Side>> Create(int threads,
                                                       PollMode poll);
-  ReactorPool& pool() { return contexts->reactors(); }
+  ReactorPool& pool() { return workers->reactors(); }
 };
 
 // The options of every bench connection, from --depth.

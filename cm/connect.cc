@@ -1,4 +1,4 @@
-// The connect path: the Context's transport::Connector makes the connection
+// The connect path: the Worker's transport::Connector makes the connection
 // (rdma_cm or the soft provider's TCP setup), ConnectionSetup puts the
 // Connection on its QP, and the peer's handshake starts it.
 #include "cm/connect.h"
@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "cm/connect_for_test.h"
 #include "cm/connection_setup.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "cm/handshake.h"
 
 namespace coverbs::cm {
@@ -28,7 +28,7 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
 }
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWith(
-    Context& ctx, std::unique_ptr<ConnectArgs> args) {
+    Worker& ctx, std::unique_ptr<ConnectArgs> args) {
   const ConnectOptions& o = args->options;
   std::string where =
       absl::StrCat("connect to ", args->address, ":", args->port);
@@ -70,7 +70,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWith(
 // some of those wrongly); the arguments reach the coroutine frame in one
 // heap object.
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port,
+    Worker& ctx, const std::string& address, uint16_t port,
     const ConnectOptions& options) {
   auto args = std::make_unique<ConnectArgs>();
   args->address = address;
@@ -82,7 +82,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
 namespace internal {
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWithPrivateData(
-    Context& ctx, const std::string& address, uint16_t port,
+    Worker& ctx, const std::string& address, uint16_t port,
     const ConnectOptions& options, const std::string& private_data) {
   auto args = std::make_unique<ConnectArgs>();
   args->address = address;
@@ -95,7 +95,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWithPrivateData(
 }  // namespace internal
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port) {
+    Worker& ctx, const std::string& address, uint16_t port) {
   static const ConnectOptions kDefaults;
   return Connect(ctx, address, port, kDefaults);
 }

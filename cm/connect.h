@@ -1,9 +1,9 @@
-// Connecting: co_await cm::Connect(ctx, address, port[, options]).
+// Connecting: co_await cm::Connect(worker, address, port[, options]).
 //
-//   auto conn = co_await cm::Connect(ctx, "10.0.0.2", 7471);
+//   auto conn = co_await cm::Connect(worker, "10.0.0.2", 7471);
 //   if (!conn.ok()) ...  // why, naming the address, the port and the step
 //
-// The Context's provider makes the connection (rdma_cm on verbs, a TCP
+// The Worker's provider makes the connection (rdma_cm on verbs, a TCP
 // setup on soft; both with the same steps and errors). Every step has a
 // timeout, and every failure is a distinct Status naming the address, the
 // port and the step: address / route resolution failures -> Unavailable
@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/task.h"
 
 namespace coverbs::cm {
@@ -35,15 +35,15 @@ struct ConnectOptions {
   std::string app_data;  // <= kMaxAppData bytes, shown to the listener
 };
 
-// Resolves, creates the QP on ctx's CQ, connects with the handshake in the
+// Resolves, creates the QP on worker's CQ, connects with the handshake in the
 // private data, waits for ESTABLISHED. Cancellable (stop token).
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port,
+    Worker& worker, const std::string& address, uint16_t port,
     const ConnectOptions& options);
 // With default options. (An overload, not a default argument: gcc 12
 // mis-copies default-argument temporaries inside co_await expressions.)
 Task<absl::StatusOr<std::unique_ptr<Connection>>> Connect(
-    Context& ctx, const std::string& address, uint16_t port);
+    Worker& worker, const std::string& address, uint16_t port);
 
 }  // namespace coverbs::cm
 

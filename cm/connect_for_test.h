@@ -11,13 +11,13 @@
 #include "absl/status/statusor.h"
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/task.h"
 
 namespace coverbs::cm::internal {
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectWithPrivateData(
-    Context& ctx, const std::string& address, uint16_t port,
+    Worker& ctx, const std::string& address, uint16_t port,
     const ConnectOptions& options, const std::string& private_data);
 
 }  // namespace coverbs::cm::internal

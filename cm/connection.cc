@@ -83,7 +83,7 @@ const PeerInfo& Connection::peer() const { return impl_->peer(); }
 const Handshake& Connection::local_handshake() const {
   return impl_->local_handshake();
 }
-Context& Connection::context() const { return impl_->context(); }
+Worker& Connection::worker() const { return impl_->worker(); }
 transport::QueuePair& Connection::qp() const { return impl_->qp(); }
 const std::string& Connection::name() const { return impl_->name(); }
 Connection::Stats Connection::stats() const { return impl_->stats(); }

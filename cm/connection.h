@@ -27,7 +27,7 @@
 //    connection was lost and why), and later calls fail at once.
 //  - iWARP (active side must send first) is handled inside: the passive
 //    side's first send waits for the active side's hello.
-//  - Single reactor: a Connection is used on its Context's reactor thread.
+//  - Single reactor: a Connection is used on its Worker's reactor thread.
 #ifndef COVERBS_CM_CONNECTION_H_
 #define COVERBS_CM_CONNECTION_H_
 
@@ -42,7 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "cm/handshake.h"
 #include "core/task.h"
 #include "transport/device.h"
@@ -76,11 +76,11 @@ struct ConnectionOptions {
   uint64_t max_message_size = 64ull << 20;
   // Send-queue depth: work requests posted at once (more wait, FIFO).
   // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
-  // its Context's CQ (ContextOptions::cq_entries).
+  // its Worker's CQ (WorkerOptions::cq_entries).
   uint32_t send_depth = 64;
-  // Receive through the Context's shared receive queue instead of a
+  // Receive through the Worker's shared receive queue instead of a
   // per-connection ring (servers with many mostly idle connections; needs
-  // ContextOptions::srq_depth > 0). The connection starts with
+  // WorkerOptions::srq_depth > 0). The connection starts with
   // srq_initial_credits receives promised in the SRQ (plus 6 reserve
   // receives); while the peer keeps running out of credits its window grows
   // toward recv_credits from receives nobody was promised, and it shrinks
@@ -152,7 +152,7 @@ class Connection {
 
   // --- Messaging.
   // Copies into a pooled registered buffer (small) or sends from the
-  // caller's memory (large; registered through the Context's cache). The
+  // caller's memory (large; registered through the Worker's cache). The
   // bytes must stay valid until the returned Task completes.
   Task<absl::Status> Send(std::span<const std::byte> payload);
   // The same for text. (Pass a named string, not a temporary, inside a
@@ -188,9 +188,9 @@ class Connection {
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,
                            transport::RemoteRegion remote);
-  // The same on plain memory, registered through the Context's registration
+  // The same on plain memory, registered through the Worker's registration
   // cache (a hit costs nothing; memory that is freed or unmapped must be
-  // dropped from the cache first: context().registrations().Invalidate).
+  // dropped from the cache first: worker().registrations().Invalidate).
   // The memory must stay valid until the Task completes.
   Task<absl::Status> Read(std::span<std::byte> local,
                           transport::RemoteRegion remote);
@@ -215,7 +215,7 @@ class Connection {
   // What this side announced in its handshake (credits, receive buffer
   // size, largest message; on the connecting side, the app data).
   const Handshake& local_handshake() const;
-  Context& context() const;
+  Worker& worker() const;
   transport::QueuePair& qp() const;
   // "conn 7 (10.0.0.1:4791 -> 10.0.0.2:7471, qp 17)".
   const std::string& name() const;

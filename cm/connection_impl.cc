@@ -10,7 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "core/timeout.h"
 #include "transport/cm_trace.h"
 
@@ -26,7 +26,7 @@ absl::Status ConnectionImpl::InitSrq() {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: SRQ receive buffers of %d bytes cannot hold eager messages of "
         "%d bytes + the %d-byte header (raise "
-        "ContextOptions::srq_buffer_size or lower rendezvous_threshold)",
+        "WorkerOptions::srq_buffer_size or lower rendezvous_threshold)",
         name_, (*pool)->slot_size, options_.rendezvous_threshold, kHeaderSize));
   }
   // At least 2: a rendezvous takes the credit of its RTS and, in the same
@@ -301,9 +301,9 @@ void ConnectionImpl::Abort(absl::Status why) {
   Fail(std::move(why));
   // The owner is gone, so nobody will Close: internal tasks still waiting
   // for their work requests keep this connection (and its QP on the
-  // Context's CQ) alive until the flushes come, which on siw after a peer
+  // Worker's CQ) alive until the flushes come, which on siw after a peer
   // TERMINATE is never. Destroying the QP now ends the NIC's access and
-  // completes them, so the connection goes before its Context can.
+  // completes them, so the connection goes before its Worker can.
   if (qp_->outstanding() > 0) {
     COVERBS_CM_TRACE(name_, ": destroyed with ", qp_->outstanding(),
                      " WRs posted; abandoning the QP");

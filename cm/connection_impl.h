@@ -21,8 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "cm/connection.h"
-#include "cm/context.h"
-#include "cm/context_shared.h"
+#include "cm/worker.h"
+#include "cm/worker_shared.h"
 #include "cm/handshake.h"
 #include "cm/recv_buffers.h"
 #include "cm/srq_pool.h"
@@ -71,7 +71,7 @@ inline size_t CopyParts(std::byte* dst,
 
 class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  public:
-  ConnectionImpl(Context& ctx, std::unique_ptr<transport::QueuePair> qp,
+  ConnectionImpl(Worker& ctx, std::unique_ptr<transport::QueuePair> qp,
                  const ConnectionOptions& o, bool active)
       : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
     id_ = SharedOf(ctx).next_connection_id++;
@@ -93,7 +93,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::Status> SendRegistered(LocalBuffer b);
   Task<absl::StatusOr<Message>> Recv();
   Task<absl::Status> OneSided(bool read, LocalBuffer local, RemoteRegion r);
-  // On plain memory: registers it through the Context's cache first.
+  // On plain memory: registers it through the Worker's cache first.
   Task<absl::Status> OneSidedPlain(bool read, const std::byte* data,
                                    size_t length, RemoteRegion r);
   Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
@@ -111,7 +111,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   absl::Status status() const { return status_; }
   const PeerInfo& peer() const { return peer_; }
-  Context& context() const { return ctx_; }
+  Worker& worker() const { return ctx_; }
   transport::QueuePair& qp() const { return *qp_; }
   const std::string& name() const { return name_; }
   Connection::Stats stats() const {
@@ -190,7 +190,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // returns the bytes written.
   size_t WriteGrants(std::span<std::byte> out);
   // A registered buffer of landing_buffer_size to WRITE a copied payload
-  // from (the Context's pool, local access only).
+  // from (the Worker's pool, local access only).
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetLandingStaging();
   // A buffer for an announced rendezvous, registered for the peer's WRITE;
   // nullptr when memory or the registration is not to be had.
@@ -256,11 +256,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status OpError(const char* op, const absl::Status& s);
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
   absl::StatusOr<transport::BufferPool*> SendPool();
-  // The Context's pool of registered buffers of `size` bytes (shared by
+  // The Worker's pool of registered buffers of `size` bytes (shared by
   // its connections; made with `count` buffers on first use).
   absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count);
 
-  Context& ctx_;
+  Worker& ctx_;
   std::unique_ptr<transport::QueuePair> qp_;
   std::unique_ptr<transport::ConnectionLink> link_;
   ConnectionOptions options_;

@@ -5,14 +5,14 @@
 
 #include "absl/status/status.h"
 #include "cm/connection_impl.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "cm/handshake.h"
 #include "cm/srq_pool.h"
 #include "cm/wire.h"
 
 namespace coverbs::cm::internal {
 
-absl::StatusOr<transport::QpOptions> QpOptionsFor(Context& ctx,
+absl::StatusOr<transport::QpOptions> QpOptionsFor(Worker& ctx,
                                                   const ConnectionOptions& o) {
   transport::QpOptions q = o.qp;
   if (o.use_srq) {
@@ -39,7 +39,7 @@ absl::StatusOr<transport::QpOptions> QpOptionsFor(Context& ctx,
 }
 
 absl::StatusOr<std::unique_ptr<ConnectionSetup>> ConnectionSetup::Create(
-    Context& ctx, const ConnectionOptions& options, bool active_side) {
+    Worker& ctx, const ConnectionOptions& options, bool active_side) {
   auto qos = QpOptionsFor(ctx, options);
   if (!qos.ok()) return qos.status();
   std::unique_ptr<ConnectionSetup> s(

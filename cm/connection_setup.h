@@ -10,22 +10,22 @@
 
 #include "absl/status/statusor.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "transport/connector.h"
 
 namespace coverbs::cm::internal {
 
 // The QP options a connection with `options` needs (depths, SRQ). Creates
-// the Context's SRQ on first use.
+// the Worker's SRQ on first use.
 absl::StatusOr<transport::QpOptions> QpOptionsFor(
-    Context& ctx, const ConnectionOptions& options);
+    Worker& ctx, const ConnectionOptions& options);
 
 class ConnectionSetup final : public transport::QpSetup {
  public:
   ~ConnectionSetup() override;
   // Fails when `options` cannot be met on `ctx` (no SRQ for use_srq, ...).
   static absl::StatusOr<std::unique_ptr<ConnectionSetup>> Create(
-      Context& ctx, const ConnectionOptions& options, bool active_side);
+      Worker& ctx, const ConnectionOptions& options, bool active_side);
 
   // The active side's application data, shown to the listener.
   void set_app_data(std::string app_data) { app_data_ = std::move(app_data); }
@@ -60,10 +60,10 @@ class ConnectionSetup final : public transport::QpSetup {
                                           absl::Time deadline);
 
  private:
-  ConnectionSetup(Context& ctx, const ConnectionOptions& options, bool active)
+  ConnectionSetup(Worker& ctx, const ConnectionOptions& options, bool active)
       : ctx_(ctx), options_(options), active_(active) {}
 
-  Context& ctx_;
+  Worker& ctx_;
   ConnectionOptions options_;
   bool active_;
   transport::QpOptions qp_options_;

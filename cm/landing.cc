@@ -14,7 +14,7 @@
 // arrives -- a later WRITE with that rkey fails with a remote access error
 // -- hands the memory to the application as the Message, and registers a
 // fresh buffer for the next grant. The sender's payload is copied into a
-// registered staging buffer of the Context (local access only), so no
+// registered staging buffer of the Worker (local access only), so no
 // registration happens on its side (a caller's own registered buffer goes
 // straight from there).
 #include <algorithm>
@@ -43,7 +43,7 @@ Task<absl::Status> ConnectionImpl::SendBig(
 
 Task<absl::StatusOr<transport::BufferPool::Buffer>>
 ConnectionImpl::GetLandingStaging() {
-  // 16 per Context: a staging buffer is held only from the copy to the
+  // 16 per Worker: a staging buffer is held only from the copy to the
   // WRITE's completion.
   auto pool = PoolOf(options_.landing_buffer_size, 16);
   if (!pool.ok()) co_return pool.status();

@@ -10,8 +10,8 @@
 // an rkey stays valid for exactly one transfer.
 //
 // Thread-safe (a Message, which owns its buffer, may be destroyed on any
-// thread). Shared by the connections of a Context; outlives them through
-// shared_ptr because a Message may outlive its Connection and Context.
+// thread). Shared by the connections of a Worker; outlives them through
+// shared_ptr because a Message may outlive its Connection and Worker.
 #ifndef COVERBS_CM_LARGE_MEMORY_CACHE_H_
 #define COVERBS_CM_LARGE_MEMORY_CACHE_H_
 

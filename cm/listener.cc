@@ -1,4 +1,4 @@
-// The listen and accept path: the Context's transport::Connector listens
+// The listen and accept path: the Worker's transport::Connector listens
 // (rdma_cm or the soft provider's TCP setup); each request's handshake is
 // decoded here, then accepted (ConnectionSetup puts the Connection on the
 // QP the connector creates) or rejected with a reason.
@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cm/connection_setup.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "core/log.h"
 #include "core/sync.h"
 #include "transport/connector.h"
@@ -46,7 +46,7 @@ constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
 namespace internal {
 
 struct ConnectRequestState {
-  Context* listener_ctx = nullptr;
+  Worker* listener_ctx = nullptr;
   std::weak_ptr<ListenerState> listener;
   ListenerOptions options;
   PeerInfo peer;
@@ -62,7 +62,7 @@ struct PendingHandshake {
 };
 
 struct ListenerState {
-  Context* ctx = nullptr;
+  Worker* ctx = nullptr;
   std::string address;
   uint16_t port = 0;
   std::string name;  // "listener ADDRESS:PORT"
@@ -250,7 +250,7 @@ absl::Status ConnectRequest::Reject(std::string_view reason) {
 }
 
 Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
-    Context& ctx) {
+    Worker& ctx) {
   ConnectRequestState& st = *state_;
   std::string where = absl::StrCat("accept from ", PeerName(st));
   if (st.decided) {
@@ -260,7 +260,7 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
   if (&ctx.device() != &st.listener_ctx->device()) {
     st.decided = true;
     co_return absl::InvalidArgumentError(
-        absl::StrCat(where, ": the target context uses another device"));
+        absl::StrCat(where, ": the target worker uses another device"));
   }
   absl::Time deadline = absl::Now() + st.options.accept_timeout;
   auto setup = internal::ConnectionSetup::Create(ctx, st.options.connection,
@@ -330,7 +330,7 @@ void Listener::Close() {
 }
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
-    Context& ctx, std::string address, uint16_t port, ListenerOptions options) {
+    Worker& ctx, std::string address, uint16_t port, ListenerOptions options) {
   auto st = std::make_shared<ListenerState>();
   st->ctx = &ctx;
   st->address = address;

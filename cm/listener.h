@@ -1,8 +1,8 @@
 // Accepting connections: a Listener binds and listens; each valid request
 // (its handshake decoded) can be inspected, then accepted on any reactor's
-// Context or rejected with a reason the connecting side receives.
+// Worker or rejected with a reason the connecting side receives.
 //
-//   auto ln = cm::Listener::Create(ctx, "127.0.0.1", 0);
+//   auto ln = cm::Listener::Create(worker, "127.0.0.1", 0);
 //   auto conn = co_await (*ln)->Accept();
 //
 // Requests with a handshake that does not decode (garbage, another protocol
@@ -36,7 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/task.h"
 // Connect used to be declared here; callers that still include only this
 // header for it keep building until they include cm/connect.h.
@@ -57,11 +57,11 @@ class ConnectRequest {
  public:
   ~ConnectRequest();
   const PeerInfo& peer() const;
-  // Accepts on `ctx` -- the listener's or another reactor's Context (e.g. a
-  // ReactorPool spreading connections); must be awaited on ctx's reactor
+  // Accepts on `worker` -- the listener's or another reactor's Worker (e.g. a
+  // ReactorPool spreading connections); must be awaited on worker's reactor
   // thread. Waits for ESTABLISHED (bounded by the listener's
   // accept_timeout).
-  Task<absl::StatusOr<std::unique_ptr<Connection>>> Accept(Context& ctx);
+  Task<absl::StatusOr<std::unique_ptr<Connection>>> Accept(Worker& worker);
   // Rejects with `reason` (the connecting side gets PermissionDenied with it).
   absl::Status Reject(std::string_view reason);
 
@@ -90,7 +90,7 @@ class Listener {
  public:
   // Binds and listens; port 0 picks a free port (see port()).
   static absl::StatusOr<std::unique_ptr<Listener>> Create(
-      Context& ctx, std::string address, uint16_t port,
+      Worker& worker, std::string address, uint16_t port,
       ListenerOptions options = {});
   ~Listener();
 
@@ -100,7 +100,7 @@ class Listener {
   // The next valid connection request (undecodable handshakes are rejected
   // here with their reason and not returned). Cancellable.
   Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Next();
-  // Next(), options.admit, then Accept on the listener's Context.
+  // Next(), options.admit, then Accept on the listener's Worker.
   Task<absl::StatusOr<std::unique_ptr<Connection>>> Accept();
 
   // Stops listening; pending Next()/Accept() resume with Cancelled.

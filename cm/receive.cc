@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "transport/errors.h"
 
 namespace coverbs::cm::internal {

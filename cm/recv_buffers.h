@@ -1,5 +1,5 @@
 // Internal: the memory behind received messages -- a connection's receive
-// ring, the slots of the Context's shared receive queue, rendezvous buffers.
+// ring, the slots of the Worker's shared receive queue, rendezvous buffers.
 #ifndef COVERBS_CM_RECV_BUFFERS_H_
 #define COVERBS_CM_RECV_BUFFERS_H_
 
@@ -32,7 +32,7 @@ class ConnectionImpl;
 struct RecvRing;
 struct SrqPool;
 
-// One receive buffer: of a connection's ring, or of the Context's SRQ pool.
+// One receive buffer: of a connection's ring, or of the Worker's SRQ pool.
 struct RecvSlot final : transport::RecvHandler, MessageBuffer {
   RecvRing* ring = nullptr;  // ring mode
   SrqPool* pool = nullptr;   // SRQ mode
@@ -70,7 +70,7 @@ struct RecvRing {
 
 // A rendezvous receive buffer. Registered for REMOTE_WRITE only while its
 // transfer runs; the Message then owns plain memory.
-// The memory comes from (and returns to) the Context's LargeMemoryCache;
+// The memory comes from (and returns to) the Worker's LargeMemoryCache;
 // deregistering first guarantees the NIC no longer touches it.
 struct LargeBuffer final : MessageBuffer {
   std::byte* mem = nullptr;

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 
 namespace coverbs::cm::internal {
 
@@ -116,7 +116,7 @@ absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
                                                               size_t count) {
-  ContextShared& sh = SharedOf(ctx_);
+  WorkerShared& sh = SharedOf(ctx_);
   size = (size + 63) & ~size_t{63};
   auto it = sh.send_pools.find(size);
   if (it != sh.send_pools.end()) return it->second.get();

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 #include "cm/wire.h"
 #include "core/log.h"
 
@@ -15,18 +15,18 @@ namespace internal {
 
 void DetachSrqPool(SrqPool* pool) { pool->Detach(); }
 
-absl::StatusOr<SrqPool*> SrqPool::For(Context& ctx) {
-  ContextShared& sh = SharedOf(ctx);
+absl::StatusOr<SrqPool*> SrqPool::For(Worker& ctx) {
+  WorkerShared& sh = SharedOf(ctx);
   if (sh.srq_pool != nullptr) return sh.srq_pool;
-  const ContextOptions& o = ctx.options();
+  const WorkerOptions& o = ctx.options();
   if (o.srq_depth == 0) {
     return absl::FailedPreconditionError(
-        "ConnectionOptions::use_srq needs a Context with a shared receive "
-        "queue (ContextOptions::srq_depth > 0)");
+        "ConnectionOptions::use_srq needs a Worker with a shared receive "
+        "queue (WorkerOptions::srq_depth > 0)");
   }
   if (o.srq_buffer_size <= kHeaderSize) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ContextOptions::srq_buffer_size ", o.srq_buffer_size,
+        absl::StrCat("WorkerOptions::srq_buffer_size ", o.srq_buffer_size,
                      " does not hold a message header"));
   }
   auto srq =
@@ -34,7 +34,7 @@ absl::StatusOr<SrqPool*> SrqPool::For(Context& ctx) {
   if (!srq.ok()) {
     return absl::Status(
         srq.status().code(),
-        absl::StrCat("creating the Context's shared receive queue (",
+        absl::StrCat("creating the Worker's shared receive queue (",
                      o.srq_depth, " receives): ", srq.status().message()));
   }
   auto* pool = new SrqPool();
@@ -47,7 +47,7 @@ absl::StatusOr<SrqPool*> SrqPool::For(Context& ctx) {
 
 }  // namespace internal
 
-Context::SrqUsage Context::srq_usage() const {
+Worker::SrqUsage Worker::srq_usage() const {
   SrqUsage u;
   const internal::SrqPool* p = shared_->srq_pool;
   if (p == nullptr) return u;
@@ -60,7 +60,7 @@ Context::SrqUsage Context::srq_usage() const {
 
 namespace internal {
 
-absl::Status SrqPool::Reserve(uint32_t n, uint32_t limit, Context& ctx) {
+absl::Status SrqPool::Reserve(uint32_t n, uint32_t limit, Worker& ctx) {
   while (Free() < n && !unposted.empty()) {
     RecvSlot* s = unposted.back();
     unposted.pop_back();
@@ -70,7 +70,7 @@ absl::Status SrqPool::Reserve(uint32_t n, uint32_t limit, Context& ctx) {
     if (slots >= limit) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "the shared receive queue is full: %d of %d receives promised "
-          "(ContextOptions::srq_depth)",
+          "(WorkerOptions::srq_depth)",
           committed, capacity));
     }
     // Grow by at least 64 buffers (one registration each time).

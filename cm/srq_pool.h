@@ -1,4 +1,4 @@
-// Internal: the Context's shared receive queue and its buffers
+// Internal: the Worker's shared receive queue and its buffers
 // (ConnectionOptions::use_srq).
 #ifndef COVERBS_CM_SRQ_POOL_H_
 #define COVERBS_CM_SRQ_POOL_H_
@@ -11,13 +11,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "cm/recv_buffers.h"
 #include "transport/queue_pair.h"
 
 namespace coverbs::cm::internal {
 
-// SRQ mode (ConnectionOptions::use_srq): the Context's shared receive queue
+// SRQ mode (ConnectionOptions::use_srq): the Worker's shared receive queue
 // and the buffers posted to it, shared by the connections that use it.
 //
 // No RNR with a correct peer still holds: every connection is promised
@@ -30,9 +30,9 @@ namespace coverbs::cm::internal {
 // of an idle connection is therefore its current window plus 6 buffers
 // instead of recv_credits + 6.
 //
-// Messages may outlive the connection and the Context: the pool goes away
+// Messages may outlive the connection and the Worker: the pool goes away
 // with the last held buffer (the SRQ and the registrations go with the
-// Context, so the NIC no longer writes into them).
+// Worker, so the NIC no longer writes into them).
 struct SrqPool {
   struct Chunk {
     std::byte* mem = nullptr;
@@ -41,11 +41,11 @@ struct SrqPool {
   };
   std::unique_ptr<transport::SharedReceiveQueue> srq;
   size_t slot_size = 0;
-  uint32_t capacity = 0;  // buffers at most (ContextOptions::srq_depth)
+  uint32_t capacity = 0;  // buffers at most (WorkerOptions::srq_depth)
   uint32_t slots = 0;     // buffers allocated
   int64_t committed = 0;  // receives promised to connections
   uint32_t held = 0;      // buffers owned by Messages
-  bool detached = false;  // the Context is gone
+  bool detached = false;  // the Worker is gone
   std::vector<Chunk> chunks;
   std::vector<RecvSlot*> unposted;  // a post failed; retried on Reserve
   absl::flat_hash_map<uint64_t, ConnectionImpl*> conns;  // by connection id
@@ -57,17 +57,17 @@ struct SrqPool {
       std::free(c.mem);
     }
   }
-  static absl::StatusOr<SrqPool*> For(Context& ctx);
+  static absl::StatusOr<SrqPool*> For(Worker& ctx);
   // Receives posted and promised to nobody.
   int64_t Free() const {
     return static_cast<int64_t>(srq->posted()) - committed;
   }
   // Promises `n` receives, posting more buffers (up to `limit` in all) if
   // the free ones are too few.
-  absl::Status Reserve(uint32_t n, uint32_t limit, Context& ctx);
+  absl::Status Reserve(uint32_t n, uint32_t limit, Worker& ctx);
   // Lending stops short of the last quarter of the capacity, which is kept
   // for new connections' initial grants.
-  bool CanLend(uint32_t n, Context& ctx) {
+  bool CanLend(uint32_t n, Worker& ctx) {
     return Reserve(n, capacity - capacity / 4, ctx).ok();
   }
   bool Post(RecvSlot* s);

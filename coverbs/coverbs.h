@@ -5,7 +5,7 @@
 // Coroutines and reactors (Task, Reactor, Spawn/JoinHandle, WhenAll/WhenAny,
 // CO_RETURN_IF_ERROR / CO_ASSIGN_OR_RETURN), the device (transport::Device,
 // typed memory Access), connections (cm::Connect, cm::Listener,
-// cm::Connection, cm::Context, cm::ContextPool), the RPC layer (rpc::Server,
+// cm::Connection, cm::Worker, cm::WorkerPool), the RPC layer (rpc::Server,
 // rpc::Client) and the two entry points of a program (coverbs/run.h:
 // RunMain, Serve). README.md, "Writing a service", shows them in use.
 // Internal headers (cm/wire.h, transport/soft/..., *_impl.h) are not part of
@@ -20,8 +20,8 @@
 
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/context.h"
-#include "cm/context_pool.h"
+#include "cm/worker.h"
+#include "cm/worker_pool.h"
 #include "cm/listener.h"
 #include "core/join.h"
 #include "core/reactor.h"

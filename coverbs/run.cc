@@ -6,13 +6,13 @@
 #include <memory>
 #include <utility>
 
-#include "cm/context_pool.h"
+#include "cm/worker_pool.h"
 #include "core/log.h"
 #include "transport/device.h"
 
 namespace coverbs {
 
-int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main,
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options) {
   auto reactor = Reactor::Create(options.reactor);
   if (!reactor.ok()) {
@@ -26,9 +26,9 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main,
                 device.status().ToString().c_str());
     return 1;
   }
-  auto ctx = cm::Context::Create(**reactor, **device, options.context);
+  auto ctx = cm::Worker::Create(**reactor, **device, options.worker);
   if (!ctx.ok()) {
-    COVERBS_LOG(kError, "run", "creating the context: %s",
+    COVERBS_LOG(kError, "run", "creating the worker: %s",
                 ctx.status().ToString().c_str());
     return 1;
   }
@@ -41,7 +41,7 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main,
   return 0;
 }
 
-int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main) {
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main) {
   return RunMain(std::move(main), RunOptions());
 }
 
@@ -62,11 +62,11 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
                   device.status().ToString().c_str());
       break;
     }
-    cm::ContextPool::Options po;
+    cm::WorkerPool::Options po;
     po.threads = options.threads;
     po.reactor = options.reactor;
-    po.context = options.context;
-    auto pool = cm::ContextPool::Create(**device, po);
+    po.worker = options.worker;
+    auto pool = cm::WorkerPool::Create(**device, po);
     if (!pool.ok()) {
       COVERBS_LOG(kError, "run", "starting %d reactors: %s", options.threads,
                   pool.status().ToString().c_str());

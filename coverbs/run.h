@@ -1,7 +1,7 @@
 // The two ways a program starts: a coroutine on one reactor (RunMain), or an
 // RPC server on a pool of reactors until SIGINT/SIGTERM (Serve).
 //
-//   Task<absl::Status> Main(cm::Context& ctx) { ... }
+//   Task<absl::Status> Main(cm::Worker& worker) { ... }
 //   int main() { return coverbs::RunMain(Main); }
 //
 //   int main() {
@@ -23,7 +23,7 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/reactor.h"
 #include "core/task.h"
 #include "rpc/server.h"
@@ -34,25 +34,25 @@ namespace coverbs {
 struct RunOptions {
   transport::ProviderOptions provider;
   ReactorOptions reactor;
-  cm::ContextOptions context;
+  cm::WorkerOptions worker;
 };
 
-// Creates a reactor, opens the device, makes one cm::Context and runs
-// main(context) to completion on that reactor (this thread). Everything
-// main created on the context must be gone when it returns.
-int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main,
+// Creates a reactor, opens the device, makes one cm::Worker and runs
+// main(worker) to completion on that reactor (this thread). Everything
+// main created on the worker must be gone when it returns.
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options);
-int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Context&)> main);
+int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main);
 
 struct ServeOptions {
-  size_t threads = 1;  // reactors (one cm::Context each) serving connections
+  size_t threads = 1;  // reactors (one cm::Worker each) serving connections
   transport::ProviderOptions provider;
   ReactorOptions reactor;
-  cm::ContextOptions context;
+  cm::WorkerOptions worker;
 };
 
 // Opens the device, starts `server` (handlers registered) on a
-// cm::ContextPool of `threads` reactors listening on address:port (0: any
+// cm::WorkerPool of `threads` reactors listening on address:port (0: any
 // free port; server.port() and the log say which), serves until the process
 // gets SIGINT or SIGTERM, then shuts the server down. Blocks those signals
 // in the calling thread (and so in the reactors it starts) while it runs.

@@ -1,5 +1,5 @@
 // Helpers shared by the example programs: opening the provider the flags
-// name, one cm::Context per reactor of a ReactorPool, signal handling, and
+// name, one cm::Worker per reactor of a ReactorPool, signal handling, and
 // latency percentiles. Examples only; not part of the library's API.
 #ifndef COVERBS_EXAMPLES_COMMON_H_
 #define COVERBS_EXAMPLES_COMMON_H_
@@ -13,8 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cm/connection.h"
-#include "cm/context.h"
-#include "cm/context_pool.h"  // IWYU pragma: export
+#include "cm/worker.h"
+#include "cm/worker_pool.h"  // IWYU pragma: export
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "transport/device.h"

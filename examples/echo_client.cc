@@ -124,7 +124,7 @@ Task<void> Caller(Run* run, rpc::Client* client, int worker) {
 
 // Runs every size in `runs` in turn over the same connections; fills in
 // each run's elapsed time.
-Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
+Task<absl::Status> Main(cm::Worker* ctx, std::vector<Run>* runs,
                         std::vector<absl::Duration>* elapsed) {
   const std::string server = absl::GetFlag(FLAGS_server);
   const uint16_t port = absl::GetFlag(FLAGS_port);
@@ -134,7 +134,7 @@ Task<absl::Status> Main(cm::Context* ctx, std::vector<Run>* runs,
     ApplyLandingFlags(co.connect.connection);
     auto client = co_await rpc::Client::Connect(*ctx, server, port, co);
     if (!client.ok()) {
-      // Connections must be gone before the Context: close the others.
+      // Connections must be gone before the Worker: close the others.
       for (auto& c : clients) (void)co_await c->Close();
       co_return absl::UnavailableError(absl::StrCat("connecting to ", server, ":", port,
                                                     ": ", client.status().ToString()));
@@ -231,7 +231,7 @@ int RunMain() {
     std::fprintf(stderr, "echo_client: %s\n", reactor.status().ToString().c_str());
     return 1;
   }
-  auto ctx = cm::Context::Create(**reactor, **device);
+  auto ctx = cm::Worker::Create(**reactor, **device);
   if (!ctx.ok()) {
     std::fprintf(stderr, "echo_client: %s\n", ctx.status().ToString().c_str());
     return 1;

@@ -124,7 +124,7 @@ int Run() {
                  "--max_pending_handshakes >= 1\n");
     return 2;
   }
-  cm::ContextOptions ctx_options;
+  cm::WorkerOptions ctx_options;
   ctx_options.srq_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_depth));
   ctx_options.cq_entries = absl::GetFlag(FLAGS_cq_entries);
   const int eager = absl::GetFlag(FLAGS_eager_size);
@@ -146,13 +146,13 @@ int Run() {
                  device.status().ToString().c_str());
     return 1;
   }
-  cm::ContextPool::Options pool_options;
+  cm::WorkerPool::Options pool_options;
   pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
   pool_options.reactor.poll_mode = *poll;
-  pool_options.context = ctx_options;
-  auto contexts = cm::ContextPool::Create(**device, pool_options);
-  if (!contexts.ok()) {
-    std::fprintf(stderr, "echo_server: %s\n", contexts.status().ToString().c_str());
+  pool_options.worker = ctx_options;
+  auto workers = cm::WorkerPool::Create(**device, pool_options);
+  if (!workers.ok()) {
+    std::fprintf(stderr, "echo_server: %s\n", workers.status().ToString().c_str());
     return 1;
   }
 
@@ -174,7 +174,7 @@ int Run() {
         co_return std::move(r.payload);
       });
   if (s.ok()) {
-    s = server->Start(**contexts, absl::GetFlag(FLAGS_address),
+    s = server->Start(**workers, absl::GetFlag(FLAGS_address),
                       absl::GetFlag(FLAGS_port));
   }
   if (!s.ok()) {
@@ -228,7 +228,7 @@ int Run() {
   server->Shutdown();
   PrintStats(*server);
   server.reset();
-  contexts->reset();
+  workers->reset();
   return 0;
 }
 

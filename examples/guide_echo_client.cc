@@ -5,9 +5,9 @@ using namespace coverbs;
 
 uint16_t port = 7471;
 
-Task<absl::Status> Main(cm::Context& ctx) {
+Task<absl::Status> Main(cm::Worker& worker) {
   CO_ASSIGN_OR_RETURN(auto client,
-                      co_await rpc::Client::Connect(ctx, "127.0.0.1", port));
+                      co_await rpc::Client::Connect(worker, "127.0.0.1", port));
   CO_ASSIGN_OR_RETURN(auto reply,
                       co_await client->Call("Echo", AsBytes("hello")));
   std::printf("%s\n", std::string(reply.text()).c_str());

@@ -6,7 +6,7 @@ using namespace coverbs;
 
 Task<absl::Status> Server(cm::Listener& listener, std::string& region) {
   CO_ASSIGN_OR_RETURN(auto conn, co_await listener.Accept());
-  CO_ASSIGN_OR_RETURN(auto mr, conn->context().pd().Register(
+  CO_ASSIGN_OR_RETURN(auto mr, conn->worker().pd().Register(
                                    AsBytes(region), Access::kRemoteRead));
   CO_ASSIGN_OR_RETURN(auto msg, co_await conn->Recv());
   CO_RETURN_IF_ERROR(co_await conn->Send(msg.data()));  // the echo
@@ -16,8 +16,8 @@ Task<absl::Status> Server(cm::Listener& listener, std::string& region) {
   co_return absl::OkStatus();
 }
 
-Task<absl::Status> Client(cm::Context& ctx, uint16_t port) {
-  CO_ASSIGN_OR_RETURN(auto conn, co_await cm::Connect(ctx, "127.0.0.1", port));
+Task<absl::Status> Client(cm::Worker& worker, uint16_t port) {
+  CO_ASSIGN_OR_RETURN(auto conn, co_await cm::Connect(worker, "127.0.0.1", port));
   CO_RETURN_IF_ERROR(co_await conn->Send("hello"));
   CO_ASSIGN_OR_RETURN(auto echo, co_await conn->Recv());
   CO_ASSIGN_OR_RETURN(auto msg, co_await conn->Recv());
@@ -29,11 +29,11 @@ Task<absl::Status> Client(cm::Context& ctx, uint16_t port) {
   co_return co_await conn->Close();
 }
 
-Task<absl::Status> Main(cm::Context& ctx) {
-  CO_ASSIGN_OR_RETURN(auto listener, cm::Listener::Create(ctx, "127.0.0.1", 0));
+Task<absl::Status> Main(cm::Worker& worker) {
+  CO_ASSIGN_OR_RETURN(auto listener, cm::Listener::Create(worker, "127.0.0.1", 0));
   std::string region = "bytes the client reads by RDMA";
-  auto server = Spawn(ctx.reactor(), Server(*listener, region));
-  CO_RETURN_IF_ERROR(co_await Client(ctx, listener->port()));
+  auto server = Spawn(worker.reactor(), Server(*listener, region));
+  CO_RETURN_IF_ERROR(co_await Client(worker, listener->port()));
   co_return co_await server.Join();
 }
 

@@ -43,7 +43,7 @@ struct Stats {
 
 std::string Key(int k) { return absl::StrCat("key-", k); }
 
-Task<absl::Status> Session(rpc::Client& c, cm::Context* ctx, const std::vector<size_t>& sizes,
+Task<absl::Status> Session(rpc::Client& c, cm::Worker* ctx, const std::vector<size_t>& sizes,
                            Stats* st) {
   const int keys = absl::GetFlag(FLAGS_keys);
   size_t max_size = 0;
@@ -117,7 +117,7 @@ Task<absl::Status> Session(rpc::Client& c, cm::Context* ctx, const std::vector<s
   co_return absl::OkStatus();
 }
 
-Task<absl::Status> Main(cm::Context* ctx, const std::vector<size_t>& sizes, Stats* st) {
+Task<absl::Status> Main(cm::Worker* ctx, const std::vector<size_t>& sizes, Stats* st) {
   rpc::ClientOptions co;
   ApplyLandingFlags(co.connect.connection);
   auto client = co_await rpc::Client::Connect(*ctx, absl::GetFlag(FLAGS_server),
@@ -128,7 +128,7 @@ Task<absl::Status> Main(cm::Context* ctx, const std::vector<size_t>& sizes, Stat
                                                   client.status().ToString()));
   }
   absl::Status s = co_await Session(**client, ctx, sizes, st);
-  // Closed on every path: the connection must be gone before its Context.
+  // Closed on every path: the connection must be gone before its Worker.
   absl::Status closed = co_await (*client)->Close();
   co_return s.ok() ? closed : s;
 }
@@ -155,7 +155,7 @@ int RunMain() {
   }
   auto reactor = Reactor::Create();
   if (!reactor.ok()) return 1;
-  auto ctx = cm::Context::Create(**reactor, **device);
+  auto ctx = cm::Worker::Create(**reactor, **device);
   if (!ctx.ok()) {
     std::fprintf(stderr, "kv_client: %s\n", ctx.status().ToString().c_str());
     return 1;

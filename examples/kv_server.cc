@@ -146,12 +146,12 @@ int Run() {
     std::fprintf(stderr, "kv_server: registering the store: %s\n", s.ToString().c_str());
     return 1;
   }
-  cm::ContextPool::Options pool_options;
+  cm::WorkerPool::Options pool_options;
   pool_options.threads = static_cast<size_t>(absl::GetFlag(FLAGS_threads));
-  pool_options.context.pd = pd->get();  // one MR serves every reactor
-  auto contexts = cm::ContextPool::Create(**device, pool_options);
-  if (!contexts.ok()) {
-    std::fprintf(stderr, "kv_server: %s\n", contexts.status().ToString().c_str());
+  pool_options.worker.pd = pd->get();  // one MR serves every reactor
+  auto workers = cm::WorkerPool::Create(**device, pool_options);
+  if (!workers.ok()) {
+    std::fprintf(stderr, "kv_server: %s\n", workers.status().ToString().c_str());
     return 1;
   }
   rpc::ServerOptions options;
@@ -168,7 +168,7 @@ int Run() {
     });
   }
   if (s.ok()) {
-    s = server->Start(**contexts, absl::GetFlag(FLAGS_address),
+    s = server->Start(**workers, absl::GetFlag(FLAGS_address),
                       absl::GetFlag(FLAGS_port));
   }
   if (!s.ok()) {
@@ -192,7 +192,7 @@ int Run() {
   std::printf("kv_server: %zu key(s) stored, %llu call(s) served\n", store.size(),
               static_cast<unsigned long long>(server->stats().calls));
   server.reset();
-  contexts->reset();
+  workers->reset();
   return 0;
 }
 

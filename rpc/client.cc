@@ -137,7 +137,7 @@ void ClientState::FailAll(const absl::Status& why) {
 std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
                                        const ClientOptions& options) {
   auto st = std::make_shared<State>();
-  st->reactor = &conn->context().reactor();
+  st->reactor = &conn->worker().reactor();
   st->options = options;
   cm::Handshake local = conn->local_handshake();
   st->eager_max = local.recv_buffer_size;
@@ -151,7 +151,7 @@ std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
 }
 
 Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
-    cm::Context& ctx, std::string address, uint16_t port,
+    cm::Worker& ctx, std::string address, uint16_t port,
     ClientOptions options) {
   auto conn = co_await cm::Connect(ctx, address, port, options.connect);
   if (!conn.ok()) co_return conn.status();
@@ -159,7 +159,7 @@ Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
 }
 
 Task<absl::StatusOr<std::unique_ptr<Client>>> Client::Connect(
-    cm::Context& ctx, std::string address, uint16_t port) {
+    cm::Worker& ctx, std::string address, uint16_t port) {
   // Options by value: this Task is lazy and must not refer to a temporary.
   return Connect(ctx, std::move(address), port, ClientOptions{});
 }

@@ -1,6 +1,6 @@
 // rpc::Client: calls over one cm connection, many in flight at once.
 //
-//   auto client = co_await rpc::Client::Connect(ctx, "10.0.0.1", 7471);
+//   auto client = co_await rpc::Client::Connect(worker, "10.0.0.1", 7471);
 //   rpc::CallOptions o;
 //   o.deadline = absl::Now() + absl::Milliseconds(50);
 //   absl::StatusOr<rpc::Response> r = co_await (*client)->Call("Echo", bytes, o);
@@ -33,7 +33,7 @@
 #include "absl/time/time.h"
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/task.h"
 #include "rpc/payload.h"
 #include "rpc/wire.h"
@@ -59,12 +59,12 @@ struct ClientState;  // rpc/client.cc
 
 class Client {
  public:
-  // Connects and starts the client on ctx's reactor (call it there).
+  // Connects and starts the client on worker's reactor (call it there).
   static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
-      cm::Context& ctx, std::string address, uint16_t port,
+      cm::Worker& worker, std::string address, uint16_t port,
       ClientOptions options);
   static Task<absl::StatusOr<std::unique_ptr<Client>>> Connect(
-      cm::Context& ctx, std::string address, uint16_t port);
+      cm::Worker& worker, std::string address, uint16_t port);
   // Takes an established connection (on its reactor thread).
   static std::unique_ptr<Client> Create(std::unique_ptr<cm::Connection> conn,
                                         const ClientOptions& options);

@@ -20,7 +20,7 @@ struct Server::Conn {
   };
 
   Server* server = nullptr;
-  cm::Context* ctx = nullptr;
+  cm::Worker* ctx = nullptr;
   std::unique_ptr<cm::Connection> conn;
   std::stop_source stop;  // Shutdown: ends the receive loop
   absl::flat_hash_map<uint64_t, std::unique_ptr<Call>> calls;
@@ -129,7 +129,7 @@ Server::Stats Server::stats() const {
   return s;
 }
 
-std::shared_ptr<Server::Conn> Server::NewConn(cm::Context* ctx) {
+std::shared_ptr<Server::Conn> Server::NewConn(cm::Worker* ctx) {
   auto c = std::make_shared<Conn>(
       options_.max_concurrent_calls,
       options_.max_concurrent_calls + options_.max_queued_calls);
@@ -151,24 +151,24 @@ void Server::ConnGone() {
   cv_.notify_all();
 }
 
-absl::Status Server::Start(std::vector<cm::Context*> contexts,
+absl::Status Server::Start(std::vector<cm::Worker*> workers,
                            const std::string& address, uint16_t port) {
-  if (contexts.empty() || contexts[0] == nullptr) {
-    return absl::InvalidArgumentError("rpc server start: no contexts");
+  if (workers.empty() || workers[0] == nullptr) {
+    return absl::InvalidArgumentError("rpc server start: no workers");
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!contexts_.empty()) {
+    if (!workers_.empty()) {
       return absl::FailedPreconditionError("rpc server already started");
     }
     if (shutting_down_) {
       return absl::FailedPreconditionError("rpc server was shut down");
     }
-    contexts_ = contexts;
+    workers_ = workers;
     started_ = true;
   }
-  Reactor& r = contexts[0]->reactor();
-  auto create = [this, &address, port, ctx = contexts[0]]() {
+  Reactor& r = workers[0]->reactor();
+  auto create = [this, &address, port, ctx = workers[0]]() {
     return cm::Listener::Create(*ctx, address, port, options_.listener);
   };
   absl::StatusOr<std::unique_ptr<cm::Listener>> ln;
@@ -182,7 +182,7 @@ absl::Status Server::Start(std::vector<cm::Context*> contexts,
   }
   if (!ln.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    contexts_.clear();
+    workers_.clear();
     return ln.status();
   }
   port_ = (*ln)->port();
@@ -209,7 +209,7 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> listener) {
         continue;
       }
     }
-    cm::Context* ctx = contexts_[next_ctx_++ % contexts_.size()];
+    cm::Worker* ctx = workers_[next_ctx_++ % workers_.size()];
     std::shared_ptr<Conn> c = NewConn(ctx);
     std::stop_token token = c->stop.get_token();
     // Spawn is thread-safe: the task starts on ctx's reactor, where the
@@ -237,7 +237,7 @@ Task<void> Server::AcceptAndServe(std::shared_ptr<Conn> c,
 }
 
 Task<void> Server::Serve(std::unique_ptr<cm::Connection> conn) {
-  std::shared_ptr<Conn> c = NewConn(&conn->context());
+  std::shared_ptr<Conn> c = NewConn(&conn->worker());
   c->conn = std::move(conn);
   // The loop runs with the connection's own stop token (Shutdown), plus the
   // caller's.

@@ -4,7 +4,7 @@
 //   server.Register("Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {
 //     co_return std::move(r.payload);  // zero-copy echo
 //   });
-//   server.Start(contexts, "0.0.0.0", 7471);  // one cm::Context per reactor
+//   server.Start(workers, "0.0.0.0", 7471);  // one cm::Worker per reactor
 //   ...
 //   server.Shutdown();
 //
@@ -44,8 +44,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cm/connection.h"
-#include "cm/context.h"
-#include "cm/context_pool.h"
+#include "cm/worker.h"
+#include "cm/worker_pool.h"
 #include "cm/listener.h"
 #include "core/task.h"
 #include "rpc/payload.h"
@@ -92,16 +92,16 @@ class Server {
   // method id (rpc::MethodId) collides with another name's.
   absl::Status Register(std::string_view name, Handler handler);
 
-  // Listens on contexts[0]'s reactor; accepted connections are spread
-  // round-robin over `contexts` (one per reactor of a ReactorPool, say) and
+  // Listens on workers[0]'s reactor; accepted connections are spread
+  // round-robin over `workers` (one per reactor of a ReactorPool, say) and
   // served there. Callable from any thread (blocks until listening). The
-  // contexts must outlive Shutdown().
-  absl::Status Start(std::vector<cm::Context*> contexts,
+  // workers must outlive Shutdown().
+  absl::Status Start(std::vector<cm::Worker*> workers,
                      const std::string& address, uint16_t port);
-  // The same over every context of `pool`.
-  absl::Status Start(cm::ContextPool& pool, const std::string& address,
+  // The same over every worker of `pool`.
+  absl::Status Start(cm::WorkerPool& pool, const std::string& address,
                      uint16_t port) {
-    return Start(pool.contexts(), address, port);
+    return Start(pool.workers(), address, port);
   }
   uint16_t port() const { return port_; }
 
@@ -158,13 +158,13 @@ class Server {
                      const Method* method, Request req);
   Task<void> SendError(std::shared_ptr<Conn> c, uint64_t call_id,
                        uint32_t method_id, absl::Status status);
-  std::shared_ptr<Conn> NewConn(cm::Context* ctx);
+  std::shared_ptr<Conn> NewConn(cm::Worker* worker);
   bool BeginShutdown();
   void ConnGone();
 
   ServerOptions options_;
   absl::flat_hash_map<uint32_t, std::unique_ptr<Method>> methods_;
-  std::vector<cm::Context*> contexts_;
+  std::vector<cm::Worker*> workers_;
   uint16_t port_ = 0;
   size_t next_ctx_ = 0;  // acceptor's reactor only
 

@@ -48,7 +48,7 @@ Task<void> WatchLoop(Reactor* reactor,
                      CmEventChannel* owner) {
   for (;;) {
     auto r = co_await reactor->WaitFd(sh->channel->fd, POLLIN);
-    if (!r.ok()) co_return;  // stopped (Context destroyed)
+    if (!r.ok()) co_return;  // stopped (Worker destroyed)
     rdma_cm_event* ev = nullptr;
     while (rdma_get_cm_event(sh->channel, &ev) == 0) {
       CmEvent e;

@@ -1,7 +1,7 @@
 // Internal (verbs provider): the rdma_cm event channel of one reactor and
 // the rdma_cm ids whose events it dispatches.
 //
-// The channel fd is watched by the Context's reactor. Each event is copied
+// The channel fd is watched by the Worker's reactor. Each event is copied
 // (type, status, private data) into the queue of the CmId it belongs to --
 // CONNECT_REQUESTs go to the listening id, carrying a new CmId -- and acked at
 // once, so no id is ever destroyed with unacked events.
@@ -99,7 +99,7 @@ class CmId : public std::enable_shared_from_this<CmId> {
   CmEventChannel* channel_;
   // The channel's state, held (not only reached through channel_) because
   // an id may outlive its CmEventChannel object -- a task still holding a
-  // listening id after its Context went -- and the rdma_cm channel must
+  // listening id after its Worker went -- and the rdma_cm channel must
   // outlive every id on it.
   std::shared_ptr<CmEventChannel::Shared> shared_;
   rdma_cm_id* id_;

@@ -1,6 +1,6 @@
 // The connection-layer test fixture shared by the cm suites (cm_test,
 // landing_test): a reactor, a device of the parameter's provider, a server
-// and a client Context, and helpers to make connected pairs and run
+// and a client Worker, and helpers to make connected pairs and run
 // coroutine test bodies with a time limit.
 #ifndef COVERBS_TESTS_CM_CM_FIXTURE_H_
 #define COVERBS_TESTS_CM_CM_FIXTURE_H_
@@ -17,7 +17,7 @@
 #include "absl/time/time.h"
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "cm/listener.h"
 #include "core/reactor.h"
 #include "core/sync.h"
@@ -56,10 +56,10 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);
     addr_ = TestAddress();
-    auto a = Context::Create(*reactor_, *device_);
+    auto a = Worker::Create(*reactor_, *device_);
     ASSERT_TRUE(a.ok()) << a.status();
     server_ctx_ = *std::move(a);
-    auto b = Context::Create(*reactor_, *device_);
+    auto b = Worker::Create(*reactor_, *device_);
     ASSERT_TRUE(b.ok()) << b.status();
     client_ctx_ = *std::move(b);
   }
@@ -135,7 +135,7 @@ class CmTest : public ::testing::TestWithParam<std::string> {
   // framing (a peer that breaks the protocol).
   static Task<absl::Status> SendRaw(Connection& c,
                                     std::span<std::byte> bytes) {
-    auto mr = c.context().pd().Register(bytes, IBV_ACCESS_LOCAL_WRITE);
+    auto mr = c.worker().pd().Register(bytes, IBV_ACCESS_LOCAL_WRITE);
     if (!mr.ok()) co_return mr.status();
     auto wc = co_await c.qp().Send(mr->Local());
     co_return wc.status();
@@ -181,11 +181,11 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     co_await wg.Wait();
   }
 
-  // Replaces a context with one that has a shared receive queue.
-  absl::Status UseSrq(std::unique_ptr<Context>& ctx, uint32_t depth) {
-    ContextOptions o;
+  // Replaces a worker with one that has a shared receive queue.
+  absl::Status UseSrq(std::unique_ptr<Worker>& ctx, uint32_t depth) {
+    WorkerOptions o;
     o.srq_depth = depth;
-    auto c = Context::Create(*reactor_, *device_, o);
+    auto c = Worker::Create(*reactor_, *device_, o);
     if (!c.ok()) return c.status();
     ctx = *std::move(c);
     return absl::OkStatus();
@@ -193,8 +193,8 @@ class CmTest : public ::testing::TestWithParam<std::string> {
 
   std::unique_ptr<Reactor> reactor_;
   std::unique_ptr<Device> device_;
-  std::unique_ptr<Context> server_ctx_;
-  std::unique_ptr<Context> client_ctx_;
+  std::unique_ptr<Worker> server_ctx_;
+  std::unique_ptr<Worker> client_ctx_;
   std::string addr_;
 };
 

@@ -10,13 +10,13 @@
 
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/reactor.h"
 #include "transport/device.h"
 
 namespace {
 
-coverbs::Task<int> Main(coverbs::cm::Context* ctx, std::string addr,
+coverbs::Task<int> Main(coverbs::cm::Worker* ctx, std::string addr,
                         uint16_t port, bool idle) {
   auto c = co_await coverbs::cm::Connect(*ctx, addr, port);
   if (!c.ok()) {
@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   o.kind = *kind;
   auto d = coverbs::transport::Device::Open(o);
   if (!d.ok()) return 4;
-  auto ctx = coverbs::cm::Context::Create(**r, **d);
+  auto ctx = coverbs::cm::Worker::Create(**r, **d);
   if (!ctx.ok()) return 5;
   return (*r)->BlockOn(
       Main(ctx->get(), argv[2], static_cast<uint16_t>(std::atoi(argv[3])),

@@ -27,7 +27,7 @@
 #include "cm/connect.h"
 #include "cm/connect_for_test.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "cm/handshake.h"
 #include "cm/listener.h"
 #include "core/reactor.h"
@@ -350,20 +350,20 @@ TEST_P(CmTest, HundredConcurrentConnections) {
 
 TEST_P(CmTest, AcceptOntoAnotherReactor) {
   // The listener runs on this reactor; the connection is accepted onto a
-  // Context of a second reactor thread (as a ReactorPool server does).
+  // Worker of a second reactor thread (as a ReactorPool server does).
   auto r2 = Reactor::Create();
   ASSERT_TRUE(r2.ok());
   std::unique_ptr<Reactor> other = *std::move(r2);
-  auto c2 = Context::Create(*other, *device_);
+  auto c2 = Worker::Create(*other, *device_);
   ASSERT_TRUE(c2.ok()) << c2.status();
-  std::unique_ptr<Context> other_ctx = *std::move(c2);
+  std::unique_ptr<Worker> other_ctx = *std::move(c2);
   std::thread th([&] { other->Run(); });
-  Run([](CmTest* t, Reactor* other, Context* octx) -> Task<void> {
+  Run([](CmTest* t, Reactor* other, Worker* octx) -> Task<void> {
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
     CO_ASSERT_OK(ln);
     Event served;
     absl::Status server_status = absl::UnknownError("not run");
-    auto srv = [](Listener* l, Reactor* other, Context* octx, Event* done,
+    auto srv = [](Listener* l, Reactor* other, Worker* octx, Event* done,
                   absl::Status* out) -> Task<void> {
       auto req = co_await l->Next();
       if (!req.ok()) {
@@ -372,7 +372,7 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
         co_return;
       }
       // Hand the request to the other reactor; it accepts and echoes there.
-      auto on_other = [](std::unique_ptr<ConnectRequest> req, Context* octx,
+      auto on_other = [](std::unique_ptr<ConnectRequest> req, Worker* octx,
                          Event* done, absl::Status* out) -> Task<void> {
         auto c = co_await req->Accept(*octx);
         if (!c.ok()) {
@@ -391,7 +391,7 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
         co_await (*c)->Close();
         c->reset();
         // Let the connection's internal tasks end on this reactor before
-        // the test tears its Context down.
+        // the test tears its Worker down.
         for (int i = 0; i < 50; ++i) co_await Reactor::Current()->Yield();
         done->Set();
       };
@@ -683,7 +683,7 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
                                           (*remote).Slice(8192, 4096)));
     EXPECT_TRUE(Same(std::span(local).subspan(4096, 4096), fresh));
     EXPECT_TRUE(Same(std::span(region).subspan(8192, 4096), fresh));
-    // The same on plain memory (registered through the Context's cache).
+    // The same on plain memory (registered through the Worker's cache).
     std::vector<std::byte> plain(4096);
     CO_ASSERT_OK(co_await p->client->Read(std::span(plain),
                                           (*remote).Slice(8192, 4096)));
@@ -841,7 +841,7 @@ TEST_P(CmTest, PeerProcessKilledMidRendezvous) {
     EXPECT_EQ(m.status().code(), absl::StatusCode::kUnavailable) << m.status();
     EXPECT_FALSE((*c)->status().ok());
     co_await (*c)->Close();
-    // The listener and the context keep working.
+    // The listener and the worker keep working.
     auto p = co_await t->MakePair();
     CO_ASSERT_OK(p);
     auto msg = Pattern(100000, 5);
@@ -1080,7 +1080,7 @@ TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
           clients.push_back(*std::move(c));
         }
         CO_ASSERT_TRUE(servers.size() == static_cast<size_t>(kConns));
-        Context::SrqUsage u = t->server_ctx_->srq_usage();
+        Worker::SrqUsage u = t->server_ctx_->srq_usage();
         EXPECT_EQ(u.promised, kConns * 10);
         EXPECT_EQ(u.buffers, static_cast<uint32_t>(kConns * 10));
         EXPECT_EQ(u.posted, u.buffers);  // nothing held by Messages
@@ -1134,7 +1134,7 @@ TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
       absl::Seconds(120));
 }
 
-TEST_P(CmTest, SrqNeedsAContextWithOne) {
+TEST_P(CmTest, SrqNeedsAWorkerWithOne) {
   Run([](CmTest* t) -> Task<void> {
     ListenerOptions lo;
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0, lo);

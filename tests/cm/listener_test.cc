@@ -106,10 +106,10 @@ class ListenerTest : public ::testing::Test {
     auto d = transport::Device::Open(o);
     ASSERT_TRUE(d.ok()) << d.status();
     device_ = *std::move(d);
-    auto a = Context::Create(*reactor_, *device_);
+    auto a = Worker::Create(*reactor_, *device_);
     ASSERT_TRUE(a.ok()) << a.status();
     server_ctx_ = *std::move(a);
-    auto b = Context::Create(*reactor_, *device_);
+    auto b = Worker::Create(*reactor_, *device_);
     ASSERT_TRUE(b.ok()) << b.status();
     client_ctx_ = *std::move(b);
   }
@@ -164,7 +164,7 @@ class ListenerTest : public ::testing::Test {
   rlimit saved_rl_{};
   std::unique_ptr<Reactor> reactor_;
   std::unique_ptr<transport::Device> device_;
-  std::unique_ptr<Context> server_ctx_, client_ctx_;
+  std::unique_ptr<Worker> server_ctx_, client_ctx_;
   std::vector<int> raw_;
 };
 

@@ -1,6 +1,6 @@
-// Connection capacity: one server Context accepts, and one client Context
+// Connection capacity: one server Worker accepts, and one client Worker
 // opens, 1,000 connections on the soft provider (256 on verbs: tests/vm runs
-// this on rxe and siw), more than one completion queue holds: the Context
+// this on rxe and siw), more than one completion queue holds: the Worker
 // adds CQs as connections fill them. Every connection carries a message;
 // when they are gone every CQ entry is free again.
 #include <cstdlib>
@@ -33,7 +33,7 @@ class ScaleTest : public ::testing::TestWithParam<std::string> {};
 
 std::string Payload(int i) { return absl::StrCat("connection ", i); }
 
-TEST_P(ScaleTest, ThousandConnectionsOnOneContextEachSide) {
+TEST_P(ScaleTest, ThousandConnectionsOnOneWorkerEachSide) {
   const int n = ConnectionCount(GetParam());
   auto r = Reactor::Create();
   ASSERT_TRUE(r.ok()) << r.status();
@@ -42,9 +42,9 @@ TEST_P(ScaleTest, ThousandConnectionsOnOneContextEachSide) {
   po.kind = *transport::ParseProviderKind(GetParam());
   auto d = transport::Device::Open(po);
   ASSERT_TRUE(d.ok()) << d.status();
-  auto server_ctx = Context::Create(*reactor, **d);
+  auto server_ctx = Worker::Create(*reactor, **d);
   ASSERT_TRUE(server_ctx.ok()) << server_ctx.status();
-  auto client_ctx = Context::Create(*reactor, **d);
+  auto client_ctx = Worker::Create(*reactor, **d);
   ASSERT_TRUE(client_ctx.ok()) << client_ctx.status();
   // Small rings keep the test's memory modest (both sides live in this
   // process); each connection still reserves 74 send + 14 receive CQ
@@ -74,7 +74,7 @@ TEST_P(ScaleTest, ThousandConnectionsOnOneContextEachSide) {
       }
       co_return absl::OkStatus();
     };
-    auto connect_one = [](Context* ctx, std::string addr, uint16_t port,
+    auto connect_one = [](Worker* ctx, std::string addr, uint16_t port,
                           ConnectionOptions co, int i)
         -> Task<absl::StatusOr<std::unique_ptr<Connection>>> {
       ConnectOptions o;

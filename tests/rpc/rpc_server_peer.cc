@@ -10,14 +10,14 @@
 #include <cstdlib>
 #include <string>
 
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "core/reactor.h"
 #include "rpc/server.h"
 #include "transport/device.h"
 
 namespace {
 
-coverbs::Task<int> Main(coverbs::rpc::Server* server, coverbs::cm::Context* ctx,
+coverbs::Task<int> Main(coverbs::rpc::Server* server, coverbs::cm::Worker* ctx,
                         std::string addr, int fd) {
   absl::Status s = server->Start({ctx}, addr, 0);
   if (!s.ok()) {
@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   }
   auto d = coverbs::transport::Device::Open(o);
   if (!d.ok()) return 4;
-  auto ctx = coverbs::cm::Context::Create(**r, **d);
+  auto ctx = coverbs::cm::Worker::Create(**r, **d);
   if (!ctx.ok()) return 5;
   coverbs::rpc::Server server;
   absl::Status reg = server.Register(

@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cm/connection.h"
-#include "cm/context.h"
+#include "cm/worker.h"
 #include "cm/listener.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
@@ -81,20 +81,20 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
     auto r = Reactor::Create();
     ASSERT_TRUE(r.ok()) << r.status();
     reactor_ = *std::move(r);
-    auto cc = cm::Context::Create(*reactor_, *device_);
+    auto cc = cm::Worker::Create(*reactor_, *device_);
     ASSERT_TRUE(cc.ok()) << cc.status();
     client_ctx_ = *std::move(cc);
     auto pool = ReactorPool::Create(2);
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = *std::move(pool);
     for (size_t i = 0; i < pool_->size(); ++i) {
-      std::promise<absl::StatusOr<std::unique_ptr<cm::Context>>> p;
+      std::promise<absl::StatusOr<std::unique_ptr<cm::Worker>>> p;
       auto f = p.get_future();
       pool_->Post(i, [&, i]() {
         // The SRQ is created only for connections that ask for it.
-        cm::ContextOptions co;
+        cm::WorkerOptions co;
         co.srq_depth = 1024;
-        p.set_value(cm::Context::Create(pool_->reactor(i), *device_, co));
+        p.set_value(cm::Worker::Create(pool_->reactor(i), *device_, co));
       });
       auto ctx = f.get();
       ASSERT_TRUE(ctx.ok()) << ctx.status();
@@ -172,7 +172,7 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
                                  co_return std::move(r.payload);
                                })
                     .ok());
-    std::vector<cm::Context*> ctxs;
+    std::vector<cm::Worker*> ctxs;
     for (auto& c : server_ctxs_) ctxs.push_back(c.get());
     absl::Status s = server_->Start(ctxs, addr_, 0);
     ASSERT_TRUE(s.ok()) << s;
@@ -203,9 +203,9 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Device> device_;
   std::string addr_;
   std::unique_ptr<Reactor> reactor_;
-  std::unique_ptr<cm::Context> client_ctx_;
+  std::unique_ptr<cm::Worker> client_ctx_;
   std::unique_ptr<ReactorPool> pool_;
-  std::vector<std::unique_ptr<cm::Context>> server_ctxs_;
+  std::vector<std::unique_ptr<cm::Worker>> server_ctxs_;
   std::unique_ptr<Server> server_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
@@ -258,7 +258,7 @@ TEST_P(RpcTest, PipelinedCallsWithLargePayloads) {
 }
 
 // The same through a server whose connections receive from their
-// Context's shared receive queue: credit windows start at 4 and grow.
+// Worker's shared receive queue: credit windows start at 4 and grow.
 TEST_P(RpcTest, PipelinedCallsThroughAnSrqServer) {
   ServerOptions o;
   o.listener.connection.use_srq = true;
@@ -453,7 +453,7 @@ TEST_P(RpcTest, ConnectionsSpreadAcrossReactors) {
       CO_ASSERT_OK(r);
     }
   }(this));
-  // Each server reactor hosts connections: the contexts' CQs saw traffic.
+  // Each server reactor hosts connections: the workers' CQs saw traffic.
   EXPECT_EQ(server_->stats().connections, 4u);
 }
 

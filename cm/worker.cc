@@ -1,21 +1,21 @@
-#include "cm/context.h"
+#include "cm/worker.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
-#include "cm/context_shared.h"
+#include "cm/worker_shared.h"
 
 namespace coverbs::cm {
 
-absl::StatusOr<std::unique_ptr<Context>> Context::Create(
-    Reactor& reactor, transport::Device& device, ContextOptions options) {
-  std::unique_ptr<Context> ctx(new Context());
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
+    Reactor& reactor, transport::Device& device, WorkerOptions options) {
+  std::unique_ptr<Worker> ctx(new Worker());
   ctx->reactor_ = &reactor;
   ctx->device_ = &device;
   ctx->options_ = options;
   if (options.pd != nullptr) {
     if (options.pd->device() != &device) {
       return absl::InvalidArgumentError(
-          "cm::Context: the shared PD belongs to another device");
+          "cm::Worker: the shared PD belongs to another device");
     }
     ctx->pd_ = options.pd;
   } else {
@@ -32,15 +32,15 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create(
   if (!connector.ok()) return connector.status();
   ctx->connector_ = *std::move(connector);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
-  ctx->shared_ = std::make_unique<internal::ContextShared>();
+  ctx->shared_ = std::make_unique<internal::WorkerShared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
   return ctx;
 }
 
-// Connections are gone by now (the Context outlives them); the shared
+// Connections are gone by now (the Worker outlives them); the shared
 // state (pools, SRQ) goes before the CQ and PD it was created on.
-Context::~Context() {
+Worker::~Worker() {
   shared_.reset();
   connector_.reset();
   reg_cache_.reset();
@@ -48,13 +48,13 @@ Context::~Context() {
   owned_pd_.reset();
 }
 
-int Context::cq_count() const {
+int Worker::cq_count() const {
   return 1 + static_cast<int>(shared_->more_cqs.size());
 }
 
 namespace internal {
 
-absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
+absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Worker& ctx,
                                                        int entries) {
   if (ctx.cq().free_entries() >= entries) return &ctx.cq();
   auto& more = SharedOf(ctx).more_cqs;
@@ -64,14 +64,14 @@ absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
   if (entries > ctx.cq().capacity()) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "a connection needs %d completion queue entries but a CQ on %s has "
-        "%d (raise ContextOptions::cq_entries or lower the connection's "
+        "%d (raise WorkerOptions::cq_entries or lower the connection's "
         "send_depth / recv_credits)",
         entries, ctx.device().name(), ctx.cq().capacity()));
   }
   if (ctx.cq_count() >= ctx.options().max_cqs) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "every completion queue on %s is full: %d CQs of %d entries "
-        "(ContextOptions::max_cqs, cq_entries), %d more entries requested",
+        "(WorkerOptions::max_cqs, cq_entries), %d more entries requested",
         ctx.device().name(), ctx.cq_count(), ctx.cq().capacity(), entries));
   }
   auto cq = transport::CompletionQueue::Create(ctx.device(), ctx.reactor(),
@@ -87,15 +87,15 @@ absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Context& ctx,
   return more.back().get();
 }
 
-void ScheduleCqTrim(Context& ctx) {
-  ContextShared& sh = SharedOf(ctx);
+void ScheduleCqTrim(Worker& ctx) {
+  WorkerShared& sh = SharedOf(ctx);
   if (sh.more_cqs.empty() || sh.trim_posted) return;
   sh.trim_posted = true;
   std::weak_ptr<int> alive = sh.trim_token;
-  Context* c = &ctx;
+  Worker* c = &ctx;
   ctx.reactor().Post([alive, c] {
     if (alive.expired()) return;
-    ContextShared& s = SharedOf(*c);
+    WorkerShared& s = SharedOf(*c);
     s.trim_posted = false;
     std::erase_if(s.more_cqs, [](const auto& cq) {
       return cq->reserved() == 0 && !cq->InFlight();

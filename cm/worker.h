@@ -1,6 +1,10 @@
-// cm::Context: what one reactor needs to run connections.
+// cm::Worker: what one reactor needs to run connections.
 //
-// One Context per Reactor (thread). It owns the protection domain (unless
+// (The name is UCX's for the same thing, ucp_worker: a thread's
+// communication resources. It was cm::Context until the name was found to
+// suggest an ibv_context, which it is not.)
+//
+// One Worker per Reactor (thread). It owns the protection domain (unless
 // one is shared in), the completion queues the reactor's connections
 // complete into (a first one, and more as connections fill them, up to
 // max_cqs), the registered buffer pools connections draw their
@@ -9,10 +13,10 @@
 // connections (verbs: rdma_cm, its event channel watched by the reactor;
 // soft: TCP setup).
 //
-// Lifetime: a Context outlives every Listener and Connection created on it.
+// Lifetime: a Worker outlives every Listener and Connection created on it.
 // Thread: used only from its reactor's thread.
-#ifndef COVERBS_CM_CONTEXT_H_
-#define COVERBS_CM_CONTEXT_H_
+#ifndef COVERBS_CM_WORKER_H_
+#define COVERBS_CM_WORKER_H_
 
 #include <cstdint>
 #include <memory>
@@ -31,23 +35,23 @@ class Connector;
 namespace coverbs::cm {
 
 namespace internal {
-struct ContextShared;  // context_shared.h
-class ContextAccess;
+struct WorkerShared;  // worker_shared.h
+class WorkerAccess;
 }  // namespace internal
 
-struct ContextOptions {
+struct WorkerOptions {
   // Entries per completion queue (0: CompletionQueue's default, at most
   // 4096). Each connection reserves its worst case on one CQ
   // (ConnectionOptions::send_depth + 10, plus recv_credits + 6 without an
-  // SRQ: 144 with the defaults); when no CQ has room the Context creates
+  // SRQ: 144 with the defaults); when no CQ has room the Worker creates
   // another, up to max_cqs (with the defaults: 28 connections per CQ,
-  // 1,792 per Context).
+  // 1,792 per Worker).
   int cq_entries = 0;
   int max_cqs = 64;
-  // Share a PD between contexts (e.g. one PD for every reactor of a
+  // Share a PD between workers (e.g. one PD for every reactor of a
   // ReactorPool so one MemoryRegion serves all connections). Not owned.
   transport::ProtectionDomain* pd = nullptr;
-  // Shared receive queue for every connection of this context that asks
+  // Shared receive queue for every connection of this worker that asks
   // for it (ConnectionOptions::use_srq): at most srq_depth receives of
   // srq_buffer_size bytes (which must hold 16 + rendezvous_threshold),
   // posted as connections need them. The SRQ reserves srq_depth entries of
@@ -60,12 +64,12 @@ struct ContextOptions {
   size_t rendezvous_cache_bytes = 64ull << 20;
 };
 
-class Context {
+class Worker {
  public:
-  static absl::StatusOr<std::unique_ptr<Context>> Create(
-      Reactor& reactor, transport::Device& device, ContextOptions options = {});
-  ~Context();
-  Context(const Context&) = delete;
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(
+      Reactor& reactor, transport::Device& device, WorkerOptions options = {});
+  ~Worker();
+  Worker(const Worker&) = delete;
 
   Reactor& reactor() const { return *reactor_; }
   transport::Device& device() const { return *device_; }
@@ -75,7 +79,7 @@ class Context {
   transport::CompletionQueue& cq() const { return *cq_; }
   int cq_count() const;
   transport::RegistrationCache& registrations() { return *reg_cache_; }
-  const ContextOptions& options() const { return options_; }
+  const WorkerOptions& options() const { return options_; }
 
   // The shared receive queue (ConnectionOptions::use_srq); zeros before
   // the first connection that uses it.
@@ -88,19 +92,19 @@ class Context {
   SrqUsage srq_usage() const;
 
  private:
-  friend class internal::ContextAccess;
-  Context() = default;
+  friend class internal::WorkerAccess;
+  Worker() = default;
   Reactor* reactor_ = nullptr;
   transport::Device* device_ = nullptr;
-  ContextOptions options_;
+  WorkerOptions options_;
   std::unique_ptr<transport::ProtectionDomain> owned_pd_;
   transport::ProtectionDomain* pd_ = nullptr;
   std::unique_ptr<transport::CompletionQueue> cq_;
   std::unique_ptr<transport::RegistrationCache> reg_cache_;
   std::unique_ptr<transport::Connector> connector_;
-  std::unique_ptr<internal::ContextShared> shared_;
+  std::unique_ptr<internal::WorkerShared> shared_;
 };
 
 }  // namespace coverbs::cm
 
-#endif  // COVERBS_CM_CONTEXT_H_
+#endif  // COVERBS_CM_WORKER_H_
