@@ -30,33 +30,50 @@ bool Event::is_set() const {
   return set_.load(std::memory_order_acquire);
 }
 
-bool Semaphore::TryAcquire(size_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (waiters_.empty() && count_ >= n) {
-    count_ -= n;
-    return true;
+bool Semaphore::TryTake(uint64_t n) {
+  uint64_t s = state_.load(std::memory_order_acquire);
+  while ((s & kWaitersBit) == 0 && s >= Permits(n)) {
+    if (state_.compare_exchange_weak(s, s - Permits(n),
+                                     std::memory_order_acq_rel,
+                                     std::memory_order_acquire)) {
+      return true;
+    }
   }
   return false;
 }
 
+bool Semaphore::TryAcquire(size_t n) { return TryTake(n); }
+
 void Semaphore::Release(size_t n) {
+  uint64_t s = state_.load(std::memory_order_acquire);
+  while ((s & kWaitersBit) == 0) {
+    if (state_.compare_exchange_weak(s, s + Permits(n),
+                                     std::memory_order_acq_rel,
+                                     std::memory_order_acquire)) {
+      return;
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  count_ += n;
+  state_.fetch_add(Permits(n), std::memory_order_acq_rel);
   GrantLocked();
 }
 
 void Semaphore::GrantLocked() {
+  // While waiters are linked the bit is set, so only code under mu_ changes
+  // state_ here.
   while (internal::SyncWaiter* w = waiters_.front()) {
-    if (count_ < w->amount) break;
-    count_ -= w->amount;
+    if (state_.load(std::memory_order_acquire) < Permits(w->amount)) break;
+    state_.fetch_sub(Permits(w->amount), std::memory_order_acq_rel);
     waiters_.erase(w);
     w->Wake();
+  }
+  if (waiters_.empty()) {
+    state_.fetch_and(~kWaitersBit, std::memory_order_acq_rel);
   }
 }
 
 size_t Semaphore::available() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return count_;
+  return state_.load(std::memory_order_acquire) >> 1;
 }
 
 size_t Semaphore::waiters() const {
@@ -64,23 +81,23 @@ size_t Semaphore::waiters() const {
   return waiters_.size();
 }
 
-void WaitGroup::Add(size_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
-  count_ += n;
-}
+void WaitGroup::Add(size_t n) { count_.fetch_add(n, std::memory_order_acq_rel); }
 
 void WaitGroup::Done() {
+  size_t c = count_.load(std::memory_order_acquire);
+  do {
+    assert(c > 0 && "WaitGroup::Done without Add");
+    if (c == 0) return;
+  } while (!count_.compare_exchange_weak(c, c - 1, std::memory_order_acq_rel,
+                                         std::memory_order_acquire));
+  if (c != 1) return;
+  // Reached zero: a waiter either saw zero under mu_ or is linked by now.
   std::lock_guard<std::mutex> lock(mu_);
-  assert(count_ > 0 && "WaitGroup::Done without Add");
-  if (count_ == 0) return;
-  if (--count_ == 0) {
-    while (internal::SyncWaiter* w = waiters_.pop_front()) w->Wake();
-  }
+  while (internal::SyncWaiter* w = waiters_.pop_front()) w->Wake();
 }
 
 size_t WaitGroup::count() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return count_;
+  return count_.load(std::memory_order_acquire);
 }
 
 }  // namespace coverbs

@@ -42,9 +42,10 @@ struct SyncWaiter : ListNode<SyncWaiter> {
   void Wake() { reactor->Schedule(handle); }
 };
 
-// Common awaiter machinery: `Prim` provides TryLocked(waiter) (called with
-// mu_ held: returns true if the operation completed without waiting) and a
-// list `waiters_`.
+// Common awaiter machinery: `Prim` provides, all called with mu_ held,
+// TryLocked(waiter) (true if the operation completed without waiting),
+// WaitersFor(waiter) (its list), OnWaiterParkedLocked() (after the waiter
+// was linked) and OnWaiterCancelledLocked() (after a waiter left unserved).
 template <typename Prim>
 class SyncAwaiterBase {
  public:
@@ -52,9 +53,16 @@ class SyncAwaiterBase {
   SyncAwaiterBase(const SyncAwaiterBase&) = delete;
   ~SyncAwaiterBase() {
     cb_.reset();
+    // A waiter that never parked, or was resumed (the waker unlinked it under
+    // mu_ before scheduling it, and the resumption happens after that), has
+    // nothing to undo: no lock, which is most waits on the message path.
+    if (!parked_ || resumed_) return;
     // Frame destroyed while parked (reactor shutdown): unlink.
     std::lock_guard<std::mutex> lock(prim_->mu_);
-    if (node_.linked()) prim_->WaitersFor(node_).erase(&node_);
+    if (node_.linked()) {
+      prim_->WaitersFor(node_).erase(&node_);
+      prim_->OnWaiterCancelledLocked();
+    }
   }
   bool await_ready() const noexcept { return false; }
   template <typename P>
@@ -71,6 +79,8 @@ class SyncAwaiterBase {
         return false;
       }
       prim_->WaitersFor(node_).push_back(&node_);
+      parked_ = true;
+      prim_->OnWaiterParkedLocked();
     }
     // After unlocking: the callback may run inline and takes the lock.
     if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
@@ -89,10 +99,15 @@ class SyncAwaiterBase {
       self->node_.Wake();
     }
   };
-  void Finish() { cb_.reset(); }
+  void Finish() {
+    cb_.reset();
+    resumed_ = true;
+  }
 
   Prim* prim_;
   SyncWaiter node_;
+  bool parked_ = false;   // linked into a waiter list by await_suspend
+  bool resumed_ = false;  // await_resume ran
   std::optional<std::stop_callback<Canceller>> cb_;
 };
 
@@ -132,6 +147,7 @@ class Event {
       internal::SyncWaiter&) {
     return waiters_;
   }
+  void OnWaiterParkedLocked() {}
   void OnWaiterCancelledLocked() {}
 
   mutable std::mutex mu_;
@@ -143,9 +159,14 @@ class Event {
 
 // Counting semaphore with FIFO fairness: a large Acquire at the head is not
 // overtaken by later small ones (so credits are granted in order).
+//
+// TryAcquire and Release take no lock while nobody waits (the common case on
+// a connection's credit and send windows): the permits and a "waiters"
+// bit share one atomic word, changed by compare-and-swap. While the bit is
+// set every change happens under mu_, so waiters keep their FIFO order.
 class Semaphore {
  public:
-  explicit Semaphore(size_t initial = 0) : count_(initial) {}
+  explicit Semaphore(size_t initial = 0) : state_(uint64_t{initial} << 1) {}
   Semaphore(const Semaphore&) = delete;
 
   bool TryAcquire(size_t n = 1);
@@ -169,24 +190,30 @@ class Semaphore {
 
  private:
   friend class internal::SyncAwaiterBase<Semaphore>;
-  bool TryLocked(internal::SyncWaiter& w) {
-    if (waiters_.empty() && count_ >= w.amount) {
-      count_ -= w.amount;
-      return true;
-    }
-    return false;
-  }
+  static constexpr uint64_t kWaitersBit = 1;
+  static constexpr uint64_t Permits(uint64_t n) { return n << 1; }
+  // Takes `n` permits if nobody waits and there are enough (any thread).
+  bool TryTake(uint64_t n);
+  bool TryLocked(internal::SyncWaiter& w) { return TryTake(w.amount); }
   internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
       internal::SyncWaiter&) {
     return waiters_;
   }
+  // From now on changes go through mu_; the permits may already suffice
+  // (released before the bit was set).
+  void OnWaiterParkedLocked() {
+    state_.fetch_or(kWaitersBit, std::memory_order_acq_rel);
+    GrantLocked();
+  }
   // A cancelled head may have been blocking smaller requests behind it.
   void OnWaiterCancelledLocked() { GrantLocked(); }
+  // Serves waiters in order while permits last; clears the bit when none
+  // is left.
   void GrantLocked();
 
   mutable std::mutex mu_;
-  size_t count_;
-  internal::IntrusiveList<internal::SyncWaiter> waiters_;
+  std::atomic<uint64_t> state_;  // permits << 1 | kWaitersBit
+  internal::IntrusiveList<internal::SyncWaiter> waiters_;  // guarded by mu_
 };
 
 // Waits for a set of activities: Add(n) before starting them, Done() as each
@@ -215,15 +242,20 @@ class WaitGroup {
 
  private:
   friend class internal::SyncAwaiterBase<WaitGroup>;
-  bool TryLocked(internal::SyncWaiter&) { return count_ == 0; }
+  bool TryLocked(internal::SyncWaiter&) {
+    return count_.load(std::memory_order_acquire) == 0;
+  }
   internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
       internal::SyncWaiter&) {
     return waiters_;
   }
+  void OnWaiterParkedLocked() {}
   void OnWaiterCancelledLocked() {}
 
   mutable std::mutex mu_;
-  size_t count_ = 0;
+  // Add and Done change it without the lock; the Done that reaches zero
+  // takes mu_ to wake the waiters, which checked it under mu_.
+  std::atomic<size_t> count_{0};
   internal::IntrusiveList<internal::SyncWaiter> waiters_;
 };
 
@@ -302,6 +334,7 @@ class Channel {
       internal::SyncWaiter& w) {
     return w.amount ? senders_ : receivers_;
   }
+  void OnWaiterParkedLocked() {}
   void OnWaiterCancelledLocked() {}
 
   void PushLocked(T&& v) {

@@ -198,6 +198,75 @@ TEST(SemaphoreTest, AcquireWithTimeout) {
   EXPECT_EQ(sem.waiters(), 0u);
 }
 
+// TryAcquire and Release skip the lock while nobody waits; a parked waiter
+// must still be served first, and once it is gone (here its frame is
+// destroyed with its reactor) the fast path must come back.
+TEST(SemaphoreTest, TryAcquireNeverOvertakesAWaiterAndRecoversAfterIt) {
+  Semaphore sem(1);
+  {
+    auto r = MakeReactor();
+    auto acq = [](Semaphore* s) -> Task<void> { (void)co_await s->Acquire(2); };
+    r->Spawn(acq(&sem));
+    Drain(r.get());
+    EXPECT_EQ(sem.waiters(), 1u);
+    EXPECT_FALSE(sem.TryAcquire(1));  // the waiter (2) is first in line
+    EXPECT_EQ(sem.available(), 1u);
+  }  // reactor and parked frame destroyed
+  EXPECT_EQ(sem.waiters(), 0u);
+  EXPECT_TRUE(sem.TryAcquire(1));
+  sem.Release(1);
+  EXPECT_EQ(sem.available(), 1u);
+}
+
+// Releases from plain threads race waiters parking on two reactors: a
+// release that lands between a waiter's failed try and its parking must
+// not be lost (the test would hang up to its bound and fail).
+TEST(SemaphoreTest, ReleasesFromOtherThreadsRacingParkingWaiters) {
+  constexpr int kTasks = 2000;
+  auto pool = ReactorPool::Create(2);
+  ASSERT_TRUE(pool.ok());
+  Semaphore sem(0);
+  std::atomic<int> finished{0};
+  auto acq = [](Semaphore* s, std::atomic<int>* finished) -> Task<void> {
+    EXPECT_TRUE((co_await s->Acquire()).ok());
+    finished->fetch_add(1);
+  };
+  for (int i = 0; i < kTasks; ++i) (*pool)->Spawn(i % 2, acq(&sem, &finished));
+  std::vector<std::thread> releasers;
+  for (int t = 0; t < 2; ++t) {
+    releasers.emplace_back([&sem] {
+      for (int i = 0; i < kTasks / 2; ++i) sem.Release();
+    });
+  }
+  for (auto& t : releasers) t.join();
+  for (int i = 0; i < 10000 && finished < kTasks; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  (*pool)->Stop();
+  EXPECT_EQ(finished.load(), kTasks);
+  EXPECT_EQ(sem.available(), 0u);
+  EXPECT_EQ(sem.waiters(), 0u);
+}
+
+// Done() from other threads while the waiter parks, many rounds.
+TEST(WaitGroupTest, DoneFromOtherThreadsWakesTheWaiter) {
+  auto r = MakeReactor();
+  for (int round = 0; round < 200; ++round) {
+    WaitGroup wg;
+    wg.Add(2);
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 2; ++t) ts.emplace_back([&wg] { wg.Done(); });
+    auto wait = [](WaitGroup* wg) -> Task<absl::Status> {
+      co_return co_await wg->Wait();
+    };
+    absl::Status s =
+        r->BlockOn(WithTimeout(wait(&wg), absl::Seconds(10)));
+    for (auto& t : ts) t.join();
+    ASSERT_TRUE(s.ok()) << "round " << round << ": " << s;
+    EXPECT_EQ(wg.count(), 0u);
+  }
+}
+
 TEST(WaitGroupTest, WaitsForAll) {
   auto r = MakeReactor();
   WaitGroup wg;
