@@ -102,6 +102,22 @@ inline void FreeFrame(void* p, size_t n) noexcept {
   ::operator delete(p);
 }
 
+// An allocator on the same lists, for allocate_shared of small objects made
+// at the message rate (one control block and object per allocation).
+template <typename T>
+struct FramePoolAllocator {
+  using value_type = T;
+  FramePoolAllocator() = default;
+  template <typename U>
+  FramePoolAllocator(const FramePoolAllocator<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(AllocFrame(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) noexcept { FreeFrame(p, n * sizeof(T)); }
+  template <typename U>
+  bool operator==(const FramePoolAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+
 }  // namespace coverbs::internal
 
 #endif  // COVERBS_CORE_FRAME_POOL_H_

@@ -431,6 +431,10 @@ class DetachedPromise : public ListNode<DetachedPromise> {
   void return_void() noexcept {}
   [[noreturn]] void unhandled_exception() noexcept { std::terminate(); }
   const std::stop_token& stop_token() const noexcept { return token_; }
+  // One per Spawn (an RPC server spawns one per request): pooled like Task
+  // frames (core/frame_pool.h).
+  static void* operator new(size_t n) { return AllocFrame(n); }
+  static void operator delete(void* p, size_t n) noexcept { FreeFrame(p, n); }
 
   void Link(Reactor* r, std::stop_token t);
   void Unlink();
