@@ -23,7 +23,7 @@ struct Server::Conn {
   cm::Worker* ctx = nullptr;
   std::unique_ptr<cm::Connection> conn;
   std::stop_source stop;  // Shutdown: ends the receive loop
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Call>> calls;
+  absl::flat_hash_map<uint64_t, Call> calls;  // by value: no allocation
   Semaphore running;    // handler slots
   Semaphore admission;  // running + queued
   WaitGroup active;     // call coroutines alive
@@ -57,9 +57,15 @@ Task<T> Unstoppable(Task<T> t) {
 }
 
 // Lease on a receive buffer held by a request payload.
+// Built in place and never copied: a copy (the implicit one a user-declared
+// destructor leaves) would give the count back twice.
 struct HeldLease {
-  std::shared_ptr<std::atomic<uint32_t>> held;
+  explicit HeldLease(std::shared_ptr<std::atomic<uint32_t>> h)
+      : held(std::move(h)) {}
+  HeldLease(const HeldLease&) = delete;
+  HeldLease& operator=(const HeldLease&) = delete;
   ~HeldLease() { held->fetch_sub(1); }
+  std::shared_ptr<std::atomic<uint32_t>> held;
 };
 
 }  // namespace
@@ -296,9 +302,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       auto it = c->calls.find(h.call_id);
       // Unknown id: the call already finished (its response crossed the
       // cancel on the wire) -- nothing to do.
-      if (it != c->calls.end() && !it->second->cancelled_by_peer) {
-        it->second->cancelled_by_peer = true;
-        it->second->stop.request_stop();
+      if (it != c->calls.end() && !it->second.cancelled_by_peer) {
+        it->second.cancelled_by_peer = true;
+        it->second.stop.request_stop();
       }
       continue;
     }
@@ -339,20 +345,21 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     } else if (m->size() <= c->eager_max) {
       c->held->fetch_add(1);
       req.payload = Payload(*std::move(m), kHeaderSize,
-                            std::make_shared<HeldLease>(HeldLease{c->held}));
+                            std::allocate_shared<HeldLease>(
+                                internal::FramePoolAllocator<HeldLease>(),
+                                c->held));
     } else {
       req.payload = Payload(*std::move(m), kHeaderSize);
     }
-    auto call = std::make_unique<Conn::Call>();
-    std::stop_token token = call->stop.get_token();
-    c->calls.emplace(h.call_id, std::move(call));
+    std::stop_token token =
+        c->calls.try_emplace(h.call_id).first->second.stop.get_token();
     c->active.Add();
     c->ctx->reactor().Spawn(
         RunCall(c, h.call_id, mit->second.get(), std::move(req)),
         std::move(token));
   }
   // The connection is done: stop every call, wait for them, close.
-  for (auto& [id, call] : c->calls) call->stop.request_stop();
+  for (auto& [id, call] : c->calls) call.stop.request_stop();
   // Handlers honour their stop token, so this ends.
   (void)co_await Unstoppable(
       [](WaitGroup* wg) -> Task<absl::Status> { co_return co_await wg->Wait(); }(
@@ -379,7 +386,7 @@ Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
   }
   auto it = c->calls.find(call_id);
   bool cancelled = stopped || (it != c->calls.end() &&
-                               it->second->stop.stop_requested());
+                               it->second.stop.stop_requested());
   if (it != c->calls.end()) c->calls.erase(it);
   if (cancelled) {
     // The caller gave up (cancel frame) or the server is shutting down:
