@@ -120,7 +120,7 @@ int Main() {
       std::printf(
           "coverbs_bench: server on %s, cm port %u, rpc port %u, provider %s\n",
           address.c_str(), srv.port(), srv.rpc_port(),
-          Describe(*(*server_side)->device).c_str());
+          (*server_side)->device->Describe().c_str());
       std::fflush(stdout);
       sigset_t set;
       sigemptyset(&set);

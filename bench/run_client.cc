@@ -91,7 +91,7 @@ int RunClient(Side* side, const std::string& address, uint16_t port,
     return 1;
   }
   RunInfo info;
-  info.provider = Describe(*side->device);
+  info.provider = side->device->Describe();
   info.mode = mode;
   info.poll = absl::GetFlag(FLAGS_poll);
   info.threads = static_cast<int>(side->pool().size());

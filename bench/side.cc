@@ -88,9 +88,4 @@ cm::ConnectionOptions BenchConnectionOptions() {
   return o;
 }
 
-std::string Describe(const transport::Device& d) {
-  if (d.caps().provider == "soft") return "soft";
-  return absl::StrCat(d.caps().provider, " (", d.name(), ")");
-}
-
 }  // namespace coverbs::bench

@@ -33,9 +33,6 @@ struct Side {
 // The options of every bench connection, from --depth.
 cm::ConnectionOptions BenchConnectionOptions();
 
-// "soft" or "verbs (rxe0)".
-std::string Describe(const transport::Device& d);
-
 // CPU (seconds) of every reactor thread of `pool`, from a thread outside it.
 double PoolCpuBlocking(ReactorPool& pool);
 // The same from a coroutine on one of the pool's reactors.

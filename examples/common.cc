@@ -149,11 +149,6 @@ int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag) {
   return -1;
 }
 
-std::string DescribeDevice(const transport::Device& d) {
-  if (d.caps().provider == "soft") return "soft";
-  return absl::StrCat(d.caps().provider, " (", d.name(), ")");
-}
-
 void ApplyLandingFlags(cm::ConnectionOptions& o) {
   o.landing_buffers =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));

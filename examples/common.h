@@ -61,9 +61,6 @@ void FillPattern(std::span<std::byte> out, uint64_t tag);
 // Index of the first byte that differs from the pattern, or -1.
 int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag);
 
-// "auto" provider resolved: "soft" or "verbs (rxe0)".
-std::string DescribeDevice(const transport::Device& d);
-
 }  // namespace coverbs::examples
 
 #endif  // COVERBS_EXAMPLES_COMMON_H_

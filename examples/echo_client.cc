@@ -241,7 +241,7 @@ int RunMain() {
   ctx->reset();
 
   std::printf("echo_client: provider %s, server %s:%u, %d connection(s), %d in flight, verify %s\n",
-              DescribeDevice(**device).c_str(), absl::GetFlag(FLAGS_server).c_str(),
+              (*device)->Describe().c_str(), absl::GetFlag(FLAGS_server).c_str(),
               absl::GetFlag(FLAGS_port), absl::GetFlag(FLAGS_connections),
               absl::GetFlag(FLAGS_concurrency), absl::GetFlag(FLAGS_verify) ? "on" : "off");
   std::printf("%10s %9s %7s %10s %11s %10s %9s %9s %9s\n", "size(B)", "calls", "errors",

@@ -183,7 +183,7 @@ int Run() {
   }
   std::printf("echo_server: listening on %s:%u, provider %s, %d reactor(s), poll %s\n",
               absl::GetFlag(FLAGS_address).c_str(), server->port(),
-              DescribeDevice(**device).c_str(), absl::GetFlag(FLAGS_threads),
+              (*device)->Describe().c_str(), absl::GetFlag(FLAGS_threads),
               absl::GetFlag(FLAGS_poll).c_str());
   std::fflush(stdout);
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {

@@ -167,7 +167,7 @@ int RunMain() {
   std::sort(st.read_ns.begin(), st.read_ns.end());
   std::printf("kv_client: provider %s, %d key(s) put, %zu Get RPC(s), %zu one-sided read(s), "
               "%lld retried, %lld mismatch(es)\n",
-              DescribeDevice(**device).c_str(), absl::GetFlag(FLAGS_keys), st.get_ns.size(),
+              (*device)->Describe().c_str(), absl::GetFlag(FLAGS_keys), st.get_ns.size(),
               st.read_ns.size(), static_cast<long long>(st.retries),
               static_cast<long long>(st.mismatches));
   std::printf("kv_client: latency p50 / p99: Get RPC %.1f / %.1f us, one-sided READ %.1f / %.1f us\n",

@@ -177,7 +177,7 @@ int Run() {
   }
   std::printf("kv_server: listening on %s:%u, provider %s, %d slots of up to %lld bytes\n",
               absl::GetFlag(FLAGS_address).c_str(), server->port(),
-              DescribeDevice(**device).c_str(), absl::GetFlag(FLAGS_slots),
+              (*device)->Describe().c_str(), absl::GetFlag(FLAGS_slots),
               static_cast<long long>(absl::GetFlag(FLAGS_max_value_size)));
   std::fflush(stdout);
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {

@@ -35,6 +35,11 @@ absl::StatusOr<RemoteRegion> RemoteRegion::Decode(
   return r;
 }
 
+std::string Device::Describe() const {
+  if (caps().provider == "soft") return "soft";
+  return absl::StrFormat("%s (%s)", caps().provider, name());
+}
+
 RemoteRegion RemoteRegion::Slice(uint64_t offset, uint64_t len) const {
   offset = std::min(offset, length);
   len = std::min(len, length - offset);

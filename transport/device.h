@@ -145,6 +145,9 @@ class Device {
 
   const DeviceCaps& caps() const { return provider_->caps(); }
   const std::string& name() const { return provider_->caps().device_name; }
+  // For logs and reports: "soft", or the provider and device ("verbs
+  // (rxe0)").
+  std::string Describe() const;
   Provider* provider() const { return provider_.get(); }
 
   absl::StatusOr<std::unique_ptr<ProtectionDomain>> AllocPd();
