@@ -273,10 +273,15 @@ void Reactor::ArmWake() {
   wake_armed_ = true;
 }
 
-void Reactor::AddPoller(Poller* p) { pollers_.push_back(p); }
+void Reactor::AddPoller(Poller* p) {
+  pollers_.push_back(p);
+  if (in_iteration_) p->BeginIteration();  // keeps the calls paired
+}
 void Reactor::RemovePoller(Poller* p) {
-  pollers_.erase(std::remove(pollers_.begin(), pollers_.end(), p),
-                 pollers_.end());
+  auto it = std::remove(pollers_.begin(), pollers_.end(), p);
+  if (it == pollers_.end()) return;
+  pollers_.erase(it, pollers_.end());
+  if (in_iteration_) p->EndIteration();
 }
 
 void Reactor::AddTimer(internal::TimerNode* t) {
@@ -450,6 +455,8 @@ void Reactor::Sleep(std::optional<SteadyTime> deadline) {
 
 bool Reactor::Iterate(bool may_block) {
   int work = 0;
+  in_iteration_ = true;
+  for (Poller* p : pollers_) p->BeginIteration();
   work += DrainRemote() ? 1 : 0;
   work += ReapCqes();
   if (options_.poll_mode != PollMode::kEvent && !pollers_.empty()) {
@@ -457,6 +464,9 @@ bool Reactor::Iterate(bool may_block) {
   }
   work += FireTimers();
   work += RunReady();
+  // Before anything may sleep: what the pollers held back goes out now.
+  in_iteration_ = false;
+  for (Poller* p : pollers_) p->EndIteration();
   if (work > 0 && options_.poll_mode == PollMode::kAdaptive) {
     last_progress_ = SteadyNow();
   }

@@ -71,6 +71,14 @@ class Poller {
   // ibv_req_notify_cq) and return false if work arrived meanwhile, in which
   // case the reactor does not sleep.
   virtual bool PrepareToSleep() = 0;
+  // Bracket each loop iteration's work (remote work, I/O completions,
+  // timers, ready coroutines), in pairs, on the reactor's thread; a poller
+  // added or removed inside an iteration gets the missing half then. The
+  // poller's device may hold back work posted in between and must have
+  // handed it on when EndIteration returns: the soft provider gathers the
+  // frames the coroutines of one iteration post into one TCP write.
+  virtual void BeginIteration() {}
+  virtual void EndIteration() {}
 };
 
 using SteadyTime = std::chrono::steady_clock::time_point;
@@ -292,6 +300,7 @@ class Reactor {
   uint64_t timer_seq_ = 0;
 
   std::vector<Poller*> pollers_;
+  bool in_iteration_ = false;  // between BeginIteration and EndIteration
   SteadyTime last_progress_{};
 
   std::vector<std::unique_ptr<internal::IoSlot[]>> slot_chunks_;

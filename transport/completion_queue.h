@@ -99,6 +99,8 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   int Poll() override;
   bool InFlight() const override { return in_flight_ > 0; }
   bool PrepareToSleep() override;
+  void BeginIteration() override { cq_->BeginBatch(); }
+  void EndIteration() override { cq_->EndBatch(); }
 
   // Statistics.
   uint64_t completions() const { return completions_; }

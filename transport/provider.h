@@ -112,6 +112,14 @@ class ProviderCq {
   virtual absl::Status RequestNotify() = 0;
   virtual int GetEvents() = 0;
   virtual void AckEvents(unsigned n) = 0;
+  // Called in pairs by the reactor that polls this CQ, on its thread, around
+  // each loop iteration (core's Poller::BeginIteration / EndIteration). A
+  // provider may hold back the transmission of work posted from this thread
+  // in between, and must have handed it on when EndBatch returns (the soft
+  // provider sends the frames of one iteration in one TCP write). Hardware
+  // providers have nothing to hold back.
+  virtual void BeginBatch() {}
+  virtual void EndBatch() {}
 };
 
 class ProviderSrq {
