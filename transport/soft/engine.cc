@@ -124,7 +124,9 @@ void Engine::Stop() {
 
 void Engine::StopForExit() { Stop(); }
 
-void Engine::Kick(QpCore* qp) { Enqueue(Item{qp, nullptr}); }
+void Engine::Kick(std::shared_ptr<QpCore> qp) {
+  Enqueue(Item{std::move(qp), nullptr});
+}
 
 void Engine::Post(absl::AnyInvocable<void()> fn) {
   Enqueue(Item{nullptr, std::move(fn)});

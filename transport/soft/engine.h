@@ -26,7 +26,7 @@
 
 namespace coverbs::transport::soft {
 
-class Engine {
+class Engine : public std::enable_shared_from_this<Engine> {
  public:
   // The process's engine, started on first use.
   static absl::StatusOr<std::shared_ptr<Engine>> Get();
@@ -38,8 +38,9 @@ class Engine {
 
   // ---- Any thread.
   // Queues a QP for service (after a post or SetError). The QP must have been
-  // added with AddConn and not yet removed.
-  void Kick(QpCore* qp);
+  // added with AddConn; a kick that reaches a removed QP does nothing (the
+  // inbox holds a reference, so that is safe).
+  void Kick(std::shared_ptr<QpCore> qp);
   // Runs `fn` on the progress thread, in order with kicks.
   void Post(absl::AnyInvocable<void()> fn);
   // Post and wait until `fn` has run.
@@ -73,7 +74,7 @@ class Engine {
   void Stop();
 
   struct Item {
-    QpCore* kick = nullptr;
+    std::shared_ptr<QpCore> kick;
     absl::AnyInvocable<void()> fn;
   };
   void Enqueue(Item item);

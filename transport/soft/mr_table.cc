@@ -31,6 +31,7 @@ constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE |
 // Odd while the progress thread is inside its access window.
 std::atomic<uint64_t> g_epoch{0};
 std::atomic<int> g_sync_waiters{0};
+std::atomic<int> g_shared{0};  // open shared (inline transmit) windows
 
 }  // namespace
 
@@ -114,6 +115,14 @@ void AccessEpoch::Exit() {
   if (g_sync_waiters.load() > 0) g_epoch.notify_all();
 }
 
+void AccessEpoch::EnterShared() { g_shared.fetch_add(1); }
+
+void AccessEpoch::ExitShared() {
+  if (g_shared.fetch_sub(1) == 1 && g_sync_waiters.load() > 0) {
+    g_shared.notify_all();
+  }
+}
+
 void AccessEpoch::Synchronize() {
   // Seq-cst on both sides: either Exit() sees our waiter count and notifies,
   // or we see its increment and do not wait.
@@ -126,6 +135,12 @@ void AccessEpoch::Synchronize() {
       now = g_epoch.load();
     }
   }
+  // Shared windows are counted, not numbered: once the count has been zero,
+  // every window open at our call has closed. The same seq-cst pairing as
+  // above (ExitShared notifies only when it drops the count to zero and sees
+  // a waiter). Windows are one sendmsg long, so the count does not stay
+  // above zero for long even with many posting threads.
+  for (int v = g_shared.load(); v != 0; v = g_shared.load()) g_shared.wait(v);
   g_sync_waiters.fetch_sub(1);
 }
 

@@ -72,14 +72,19 @@ class MrTable {
   uint32_t counter_;                                               // mu_
 };
 
-// The progress thread's data-path access window. The progress thread calls
-// Enter() before it touches registered memory and Exit() before it sleeps;
-// Synchronize() (any other thread) returns once every window that was open
-// when it was called has closed. There is at most one progress thread.
+// The data-path access windows. The progress thread calls Enter() before it
+// touches registered memory and Exit() before it sleeps; there is at most one
+// progress thread. Any other thread that transmits from registered memory
+// (a poster sending inline, qp_tx.cc) brackets that with EnterShared() /
+// ExitShared(): such windows are short (one sendmsg) and may overlap.
+// Synchronize() (any other thread) returns once every window of either kind
+// that was open when it was called has closed.
 class AccessEpoch {
  public:
   static void Enter();
   static void Exit();
+  static void EnterShared();
+  static void ExitShared();
   static void Synchronize();
 };
 

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,7 @@ QpCore::~QpCore() {
 // Progress thread: life cycle
 
 void QpCore::Connect(int fd) {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   if (err_ || removed_) {
     close(fd);
     return;
@@ -66,6 +68,7 @@ void QpCore::Connect(int fd) {
 
 void QpCore::OnKick() {
   kicked_.store(false);
+  std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
   if (error_requested_.load() && !err_) {
     EnterError(Cause::kLocalRequest, "moved to the error state by SetError");
@@ -75,26 +78,33 @@ void QpCore::OnKick() {
     if (nsegs_ == 0) FlushSq();
     return;
   }
+  // A poster that sent the first outstanding request inline could not arm
+  // the transport timer (the engine's timer heap is this thread's).
+  ArmAckTimer();
   engine_->Activate(this);
 }
 
 void QpCore::OnReadable() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   rx_ready_ = true;
   engine_->Activate(this);
 }
 
 void QpCore::OnWritable() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   tx_blocked_ = false;
   engine_->Activate(this);
 }
 
 void QpCore::Service() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
   if (rx_ready_ && fd_ >= 0) DoRx();
   DoTx();
 }
 
 void QpCore::Destroy() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   removed_ = true;
   if (fd_ >= 0) {
     // Best effort: tell the peer this was deliberate (when the stream is at a

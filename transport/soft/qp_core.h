@@ -1,6 +1,7 @@
 // QpCore: the state of one soft RC QP, shared between the application threads
 // (posting, SetError, state) and the progress thread (everything on the
-// socket). Fields are grouped by who may touch them; see README.md.
+// socket; a poster may transmit inline, under progress_mu_). Fields are
+// grouped by who may touch them; see README.md.
 #ifndef COVERBS_TRANSPORT_SOFT_QP_CORE_H_
 #define COVERBS_TRANSPORT_SOFT_QP_CORE_H_
 
@@ -73,7 +74,7 @@ struct QpConfig {
   std::shared_ptr<AsyncQueue> async;
 };
 
-class QpCore {
+class QpCore : public std::enable_shared_from_this<QpCore> {
  public:
   QpCore(Engine* engine, uint64_t id, QpConfig config);
   ~QpCore();
@@ -88,6 +89,8 @@ class QpCore {
   uint32_t max_inline_data() const { return max_inline_; }
 
   // ---- Application side (any thread).
+  // Posted inside a batch (BeginPostBatch below) the WRs are transmitted at
+  // its end, from this thread; otherwise the progress thread is kicked.
   absl::Status PostSend(ibv_send_wr* wr, ibv_send_wr** bad);
   absl::Status PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad);
   void RequestError();
@@ -101,7 +104,7 @@ class QpCore {
     return state_.compare_exchange_strong(expected, IBV_QPS_RTS);
   }
 
-  // ---- Progress thread.
+  // ---- Progress thread. Each of these takes progress_mu_.
   void Connect(int fd);
   void OnKick();
   void Service();
@@ -165,6 +168,15 @@ class QpCore {
   void FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
                    uint64_t index);
   void Kick();
+  // At the end of a post batch: transmit inline, else kick.
+  void FlushDeferred();
+  friend void EndPostBatch();
+  // Transmits what the send ring and the response ring hold from the
+  // posting thread, if the progress thread is not busy with this QP and its
+  // transmit side is idle. False when the progress thread still has to act
+  // (nothing was tried, or a backlog, EAGAIN, an error or a timer to arm is
+  // left for it): the caller kicks.
+  bool TxInline();
 
   // Progress thread: receive.
   void DoRx();
@@ -225,6 +237,7 @@ class QpCore {
   // ---- Shared.
   std::atomic<int> state_{IBV_QPS_INIT};
   std::atomic<bool> kicked_{false};
+  std::atomic<bool> deferred_{false};  // in some thread's post batch
   std::atomic<bool> error_requested_{false};
   std::mutex mu_;
   uint64_t sq_head_ = 0;  // guarded by mu_: next slot to post
@@ -236,12 +249,27 @@ class QpCore {
   std::vector<std::shared_ptr<MrEntry>> sq_mr_;
   std::vector<char> sq_inline_;
 
-  // ---- Progress thread only.
+  // Guards everything below except the engine's bookkeeping (in_active_,
+  // watching_in_, pollout_armed_: progress thread only). The progress thread
+  // holds it in each entry point (OnKick, Service, OnTimer, ...); a poster
+  // holds it while it transmits inline (TxInline, which only try_locks it).
+  // Fields the engine also reads unlocked (fd_, removed_) are written only by
+  // the progress thread. Lock order: progress_mu_ -> mu_ -> CQ mutexes.
+  std::mutex progress_mu_;
+  // True while a poster runs the transmit code inline: paths that need the
+  // progress thread (io_uring polls, timers, the active list, errors) set
+  // need_engine_ instead of acting, and the poster kicks.
+  bool inline_tx_ = false;
+  bool need_engine_ = false;
+
+  // ---- Progress thread (or an inline poster, see above).
   int fd_ = -1;
   bool removed_ = false;
+  // ---- Progress thread only (engine bookkeeping).
   bool in_active_ = false;
   bool watching_in_ = false;
   bool pollout_armed_ = false;
+  // ---- Progress thread (or an inline poster).
   bool rx_ready_ = false;
   bool tx_blocked_ = false;
   bool err_ = false;
@@ -298,6 +326,16 @@ class QpCore {
   size_t seg_idx_ = 0;
   size_t seg_off_ = 0;
 };
+
+// A post batch on the calling thread (called in pairs; they nest): a
+// PostSend inside one leaves its QP's new frames for EndPostBatch, which
+// transmits them inline -- all the frames a thread posted to a QP during
+// the batch in one sendmsg -- or kicks the progress thread where that is not
+// possible. Every EndPostBatch hands on what was held back, so nothing waits
+// longer than the batch. The soft CQ's BeginBatch / EndBatch, that is a
+// reactor's loop iteration.
+void BeginPostBatch();
+void EndPostBatch();
 
 }  // namespace coverbs::transport::soft
 

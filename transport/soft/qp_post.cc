@@ -1,10 +1,14 @@
 // QpCore's application side (any thread): PostSend / PostRecv check each
 // work request like verbs and copy it into the send ring (the receive ring
 // for PostRecv), SetError marks the QP, and each of them kicks the progress
-// thread. Nothing here touches the socket.
+// thread -- except a PostSend inside a post batch (a reactor's loop
+// iteration): its QP is flushed at the end of the batch by the posting
+// thread itself (TxInline, qp_tx.cc), one sendmsg for everything the batch
+// posted to it, with no hand-off to the progress thread and no wake-up.
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "transport/soft/engine.h"
@@ -12,6 +16,21 @@
 #include "transport/soft/qp_internal.h"
 
 namespace coverbs::transport::soft {
+namespace {
+
+struct DeferredQp {
+  std::shared_ptr<QpCore> qp;
+  std::shared_ptr<Engine> engine;  // QpCore::engine_ is a plain pointer
+};
+
+// The calling thread's post batch (BeginPostBatch / EndPostBatch).
+struct PostBatch {
+  int depth = 0;
+  std::vector<DeferredQp> qps;  // each QP once (QpCore::deferred_)
+};
+thread_local PostBatch t_batch;
+
+}  // namespace
 
 absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
   switch (wr.opcode) {
@@ -160,7 +179,18 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
       posted = true;
     }
   }
-  if (posted) Kick();
+  if (posted) {
+    if (t_batch.depth > 0) {
+      if (!deferred_.exchange(true)) {
+        // References: the QP or its engine may be destroyed (by another
+        // thread, too) before the batch ends.
+        t_batch.qps.push_back(
+            DeferredQp{shared_from_this(), engine_->shared_from_this()});
+      }
+    } else {
+      Kick();
+    }
+  }
   return status;
 }
 
@@ -184,7 +214,28 @@ void QpCore::RequestError() {
 }
 
 void QpCore::Kick() {
-  if (!kicked_.exchange(true)) engine_->Kick(this);
+  if (!kicked_.exchange(true)) engine_->Kick(shared_from_this());
+}
+
+void QpCore::FlushDeferred() {
+  // Cleared first: a post from another thread from now on lists the QP
+  // again or finds its WR picked up by the TxInline below (which reads the
+  // ring's head under mu_ after this store).
+  deferred_.store(false);
+  // Not under mu_: TxInline takes progress_mu_, which comes first.
+  if (!TxInline()) Kick();
+}
+
+void BeginPostBatch() { ++t_batch.depth; }
+
+void EndPostBatch() {
+  if (t_batch.depth > 0) --t_batch.depth;
+  // Every end flushes (an inner one too): nothing posted waits for an outer
+  // batch that may be waiting for it. Flushing posts nothing, so the list
+  // does not change under us.
+  if (t_batch.qps.empty()) return;
+  for (DeferredQp& d : t_batch.qps) d.qp->FlushDeferred();
+  t_batch.qps.clear();
 }
 
 }  // namespace coverbs::transport::soft

@@ -4,6 +4,7 @@
 // the error state -- all three served by OnTimer. Also the RNR timer scale.
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 
 #include "absl/strings/str_format.h"
 #include "transport/soft/engine.h"
@@ -41,12 +42,17 @@ void QpCore::ArmAckTimer() {
   if (err_ || removed_ || ack_timer_armed_ || comp_ptr_ >= send_ptr_) return;
   auto t = AckTimeout();
   if (t.count() == 0) return;
+  if (inline_tx_) {
+    need_engine_ = true;  // OnKick arms it
+    return;
+  }
   ack_timer_armed_ = true;
   ack_due_ = progress_at_ + t;
   engine_->AddTimer(this, ack_due_);
 }
 
 void QpCore::OnTimer(SteadyTime now) {
+  std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
   if (ack_timer_armed_ && now >= ack_due_) {
     ack_timer_armed_ = false;

@@ -149,6 +149,11 @@ bool QpCore::Build() {
   bool fault = false;
   while (!ctrl_.empty() && room(1)) {
     Ctrl& c = ctrl_.front();
+    if (inline_tx_ && c.op == wire::kReadResp && c.len > 0 &&
+        !c.mr->valid.load()) {
+      need_engine_ = true;  // the fault is the progress thread's to handle
+      return nsegs_ > 0;
+    }
     wire::Header h;
     h.opcode = c.op;
     h.seq = c.seq;
@@ -196,6 +201,10 @@ bool QpCore::Build() {
       }
     }
     if (w.status != IBV_WC_SUCCESS) {
+      if (inline_tx_) {
+        need_engine_ = true;  // completing it and the error state: engine
+        break;
+      }
       // Completed in order: only once every earlier WR has completed.
       if (seq == comp_ptr_) {
         uint8_t st = w.status;
@@ -281,6 +290,10 @@ bool QpCore::SendPending(size_t* budget) {
   for (size_t i = seg_idx_; i < nsegs_ && want < *budget; ++i) {
     const Seg& s = segs_[i];
     if (s.mr && !s.mr->valid.load()) {
+      if (inline_tx_) {
+        need_engine_ = true;
+        return false;
+      }
       // A source region vanished mid-frame: the stream cannot be completed.
       int64_t slot = s.slot;
       ResetTx();
@@ -309,6 +322,12 @@ bool QpCore::SendPending(size_t* budget) {
   msg.msg_iov = iov;
   msg.msg_iovlen = n;
   ssize_t sent = sendmsg(fd_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (sent < 0 && inline_tx_) {
+    // EAGAIN, EINTR or an error: the progress thread sends the batch (again)
+    // and sees the same condition (POLLOUT, the error state).
+    need_engine_ = true;
+    return false;
+  }
   if (sent < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       tx_blocked_ = true;
@@ -346,6 +365,12 @@ bool QpCore::SendPending(size_t* budget) {
     ResetTx();
     return true;
   }
+  if (inline_tx_) {
+    // Budget spent or the socket full: the rest is the progress thread's
+    // backlog (it arms POLLOUT if the socket is still full).
+    need_engine_ = true;
+    return false;
+  }
   if (static_cast<size_t>(sent) == want) {
     // This turn's budget is spent, the socket is not full: let the rest of
     // the loop (the peer's receive, on loopback) run first.
@@ -355,6 +380,32 @@ bool QpCore::SendPending(size_t* budget) {
   tx_blocked_ = true;
   engine_->WatchOut(this);
   return false;
+}
+
+bool QpCore::TxInline() {
+  std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
+  // Busy (the progress thread is serving this QP and will see the new WRs
+  // through the kick) or anything but the plain idle state: kick.
+  if (!lock.owns_lock() || removed_ || fd_ < 0 || closed_ || err_ ||
+      !hello_sent_ || tx_blocked_ || rnr_wait_ || seg_idx_ != nsegs_ ||
+      error_requested_.load()) {
+    return false;
+  }
+  // Build and SendPending check each source region's valid flag before the
+  // sendmsg reads it; the shared window makes deregistration wait for us.
+  AccessEpoch::EnterShared();
+  inline_tx_ = true;
+  need_engine_ = false;
+  size_t budget = kTxBudget;
+  if (Build()) SendPending(&budget);
+  inline_tx_ = false;
+  AccessEpoch::ExitShared();
+  // Left behind (no room in one batch, READ/atomic credit): the progress
+  // thread goes on from there.
+  if (seg_idx_ != nsegs_ || send_ptr_ < head_cache_ || !ctrl_.empty()) {
+    need_engine_ = true;
+  }
+  return !need_engine_;
 }
 
 void QpCore::DoTx() {

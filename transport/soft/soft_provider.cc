@@ -169,6 +169,9 @@ class SoftCq : public ProviderCq {
   }
   int GetEvents() override { return core_->GetEvents(); }
   void AckEvents(unsigned n) override { core_->AckEvents(n); }
+  // A reactor's loop iteration: see BeginPostBatch (qp_core.h).
+  void BeginBatch() override { BeginPostBatch(); }
+  void EndBatch() override { EndPostBatch(); }
   const std::shared_ptr<CqCore>& core() const { return core_; }
 
  private:
