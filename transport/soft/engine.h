@@ -2,7 +2,8 @@
 //
 // It owns the sockets of all soft QPs. Application threads hand it work
 // through a mutex-protected inbox (QP kicks after posts, functions) and wake
-// it through an eventfd; it watches sockets with io_uring polls, serves
+// it through an eventfd (a reactor thread mostly sends its posts itself at
+// the end of its loop iteration, see qp_core.h's BeginPostBatch); it watches sockets with io_uring polls, serves
 // receive and transmit on them with non-blocking syscalls, runs the RNR and
 // close timers and produces every completion. It is created by the first QP
 // and joined when the last reference goes away (or at process exit).
