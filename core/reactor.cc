@@ -275,13 +275,14 @@ void Reactor::ArmWake() {
 
 void Reactor::AddPoller(Poller* p) {
   pollers_.push_back(p);
-  if (in_iteration_) p->BeginIteration();  // keeps the calls paired
+  // Keeps the calls paired: the iterations under way end it too.
+  for (int i = 0; i < iteration_depth_; ++i) p->BeginIteration();
 }
 void Reactor::RemovePoller(Poller* p) {
   auto it = std::remove(pollers_.begin(), pollers_.end(), p);
   if (it == pollers_.end()) return;
   pollers_.erase(it, pollers_.end());
-  if (in_iteration_) p->EndIteration();
+  for (int i = 0; i < iteration_depth_; ++i) p->EndIteration();
 }
 
 void Reactor::AddTimer(internal::TimerNode* t) {
@@ -455,7 +456,7 @@ void Reactor::Sleep(std::optional<SteadyTime> deadline) {
 
 bool Reactor::Iterate(bool may_block) {
   int work = 0;
-  in_iteration_ = true;
+  ++iteration_depth_;
   for (Poller* p : pollers_) p->BeginIteration();
   work += DrainRemote() ? 1 : 0;
   work += ReapCqes();
@@ -465,7 +466,7 @@ bool Reactor::Iterate(bool may_block) {
   work += FireTimers();
   work += RunReady();
   // Before anything may sleep: what the pollers held back goes out now.
-  in_iteration_ = false;
+  --iteration_depth_;
   for (Poller* p : pollers_) p->EndIteration();
   if (work > 0 && options_.poll_mode == PollMode::kAdaptive) {
     last_progress_ = SteadyNow();

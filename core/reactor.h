@@ -300,7 +300,10 @@ class Reactor {
   uint64_t timer_seq_ = 0;
 
   std::vector<Poller*> pollers_;
-  bool in_iteration_ = false;  // between BeginIteration and EndIteration
+  // Iterations under way (a BlockOn inside a task nests one): each poller
+  // has had this many BeginIteration calls not yet matched by an
+  // EndIteration.
+  int iteration_depth_ = 0;
   SteadyTime last_progress_{};
 
   std::vector<std::unique_ptr<internal::IoSlot[]>> slot_chunks_;

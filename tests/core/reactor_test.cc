@@ -379,6 +379,52 @@ TEST(ReactorTest, BusyModeSpins) {
   r->RemovePoller(&p);
 }
 
+// Counts BeginIteration / EndIteration and checks that they nest.
+class IterationPoller : public Poller {
+ public:
+  int Poll() override { return 0; }
+  bool InFlight() const override { return false; }
+  bool PrepareToSleep() override { return true; }
+  void BeginIteration() override {
+    ++open;
+    ++begins;
+  }
+  void EndIteration() override {
+    if (--open < 0) negative = true;
+  }
+  int open = 0;
+  int begins = 0;
+  bool negative = false;
+};
+
+// Every iteration is bracketed, and a poller added or removed inside one
+// gets the missing half, so a provider holding back work for the bracket
+// always sees its end.
+TEST(ReactorTest, IterationBracketsStayPaired) {
+  auto r = MakeReactor();
+  IterationPoller stays, added, removed;
+  r->AddPoller(&stays);
+  r->AddPoller(&removed);
+  auto task = [](Reactor* r, IterationPoller* added,
+                 IterationPoller* removed) -> Task<void> {
+    r->AddPoller(added);
+    r->RemovePoller(removed);
+    co_await r->Yield();
+    r->RemovePoller(added);
+  };
+  r->Spawn(task(r.get(), &added, &removed));
+  while (r->RunOnce()) {
+  }
+  EXPECT_GE(stays.begins, 2);
+  EXPECT_EQ(stays.open, 0);
+  EXPECT_GE(added.begins, 1);
+  EXPECT_EQ(added.open, 0);
+  EXPECT_GE(removed.begins, 1);
+  EXPECT_EQ(removed.open, 0);
+  EXPECT_FALSE(stays.negative || added.negative || removed.negative);
+  r->RemovePoller(&stays);
+}
+
 TEST(ReactorTest, ParsePollMode) {
   EXPECT_EQ(*ParsePollMode("busy"), PollMode::kBusy);
   EXPECT_EQ(*ParsePollMode("adaptive"), PollMode::kAdaptive);
