@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cm/large_memory_cache.h"
+#include "core/frame_pool.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
 
@@ -83,6 +84,14 @@ struct LargeBuffer final : MessageBuffer {
     cache->Put({mem, capacity});
   }
   void Release() override { delete this; }
+  // One per medium or large message received: from the frame pool's
+  // per-thread lists rather than malloc.
+  static void* operator new(size_t n) {
+    return coverbs::internal::AllocFrame(n);
+  }
+  static void operator delete(void* p, size_t n) noexcept {
+    coverbs::internal::FreeFrame(p, n);
+  }
 };
 
 }  // namespace coverbs::cm::internal

@@ -243,8 +243,10 @@ class SendBatch {
 
  private:
   friend class QueuePair;
-  std::vector<ibv_send_wr> wrs_;
-  std::vector<ibv_sge> sges_;
+  // Inline room for the usual batch (a landed message is a WRITE and its
+  // header SEND): building one allocates nothing.
+  absl::InlinedVector<ibv_send_wr, 4> wrs_;
+  absl::InlinedVector<ibv_sge, 4> sges_;
 };
 
 class QueuePair final : private WrOwner {
