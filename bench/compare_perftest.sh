@@ -36,6 +36,19 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"; kill $(jobs -p) 2>/dev/null' EXIT
 
+# Waits up to $2 seconds for server process $1 to exit, then kills it and
+# says so on stderr: a server that hangs must not hang the whole comparison.
+wait_server() {
+  local pid=$1 secs=$2 what=$3
+  for _ in $(seq 1 $((secs * 10))); do
+    kill -0 "$pid" 2>/dev/null || { wait "$pid"; return; }
+    sleep 0.1
+  done
+  echo "compare_perftest.sh: $what server did not exit within ${secs}s; killed" >&2
+  kill -9 "$pid" 2>/dev/null
+  wait "$pid"
+}
+
 # perftest: prints "<value>" (MB/s, or usec for latency) for one test/size.
 perftest() {
   local test=$1 size=$2 tool extra=() col
@@ -52,7 +65,7 @@ perftest() {
   timeout 300 "$tool" -d "$DEV" -R -F -s "$size" -n "$ITERS" "${extra[@]}" -p "$PORT" "$ADDR" \
     >"$tmp/pc.out" 2>&1
   local rc=$?
-  wait $spid
+  wait_server $spid 30 "perftest $tool -s $size"
   if [ $rc -ne 0 ]; then
     echo "perftest $tool -s $size failed:" >&2
     cat "$tmp/pc.out" "$tmp/ps.out" >&2
@@ -76,7 +89,7 @@ coverbs() {
     >"$tmp/cc.out" 2>&1
   local rc=$?
   kill -TERM $spid
-  wait $spid
+  wait_server $spid 30 "coverbs_bench $test $size"
   if [ $rc -ne 0 ]; then
     echo "coverbs_bench $test $size failed:" >&2
     cat "$tmp/cc.out" >&2
