@@ -40,14 +40,26 @@ class LandingTest : public CmTest {
     return Same(d, Numbered(n, seq));
   }
 
+  // Sends Numbered(n, seq) from `from`, receives it on `to` and checks its
+  // bytes: the message, or what failed.
+  static Task<absl::StatusOr<Message>> Deliver(Connection* from, Connection* to,
+                                               size_t n, uint32_t seq) {
+    auto msg = Numbered(n, seq);
+    absl::Status s = co_await from->Send(msg);
+    if (!s.ok()) co_return s;
+    absl::StatusOr<Message> m = co_await to->Recv();
+    if (m.ok() && !IsNumbered(m->data(), n, seq)) {
+      co_return absl::DataLossError(
+          absl::StrCat("message ", seq, " of ", n, " bytes arrived altered"));
+    }
+    co_return m;
+  }
+
   // Sends one medium message (which takes the rendezvous and makes `to`
   // grant landing buffers), receives it, and waits (bounded) until `from`
   // holds grants.
   Task<absl::Status> WarmUp(Connection* from, Connection* to) {
-    auto first = Numbered(20000, 0);
-    absl::Status s = co_await from->Send(first);
-    if (!s.ok()) co_return s;
-    auto m = co_await to->Recv();
+    auto m = co_await Deliver(from, to, 20000, 0);
     if (!m.ok()) co_return m.status();
     absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (ConnectionTestPeer::Grants(*from).empty()) {
@@ -73,11 +85,7 @@ TEST_P(LandingTest, MediumMessagesLandWithoutRendezvousAfterTheFirst) {
     const size_t sizes[] = {8193, 8200, 30000, 65536};
     for (uint32_t i = 1; i <= 100; ++i) {
       size_t n = sizes[i % 4];
-      auto msg = Numbered(n, i);
-      CO_ASSERT_OK(co_await p->client->Send(msg));
-      auto m = co_await p->server->Recv();
-      CO_ASSERT_OK(m);
-      CO_ASSERT_TRUE(IsNumbered(m->data(), n, i));
+      CO_ASSERT_OK(co_await Deliver(p->client.get(), p->server.get(), n, i));
     }
     Connection::Stats cs = p->client->stats();
     Connection::Stats ss = p->server->stats();
@@ -86,19 +94,13 @@ TEST_P(LandingTest, MediumMessagesLandWithoutRendezvousAfterTheFirst) {
     EXPECT_EQ(ss.rendezvous_received, 1u);
     EXPECT_EQ(ss.messages_received, 101u);
     // Above landing_buffer_size: the rendezvous, as before.
-    auto big = Numbered(kAbove, 7);
-    CO_ASSERT_OK(co_await p->client->Send(big));
-    auto m = co_await p->server->Recv();
-    CO_ASSERT_OK(m);
-    EXPECT_TRUE(IsNumbered(m->data(), kAbove, 7));
+    CO_ASSERT_OK(
+        co_await Deliver(p->client.get(), p->server.get(), kAbove, 7));
     EXPECT_EQ(p->server->stats().rendezvous_received, 2u);
     // The other direction grants on its own.
     CO_ASSERT_OK(co_await t->WarmUp(p->server.get(), p->client.get()));
-    auto back = Numbered(40000, 9);
-    CO_ASSERT_OK(co_await p->server->Send(back));
-    auto r = co_await p->client->Recv();
-    CO_ASSERT_OK(r);
-    EXPECT_TRUE(IsNumbered(r->data(), 40000, 9));
+    CO_ASSERT_OK(
+        co_await Deliver(p->server.get(), p->client.get(), 40000, 9));
     EXPECT_EQ(p->client->stats().landed_received, 1u);
     co_await Close(*p);
   }(this));
@@ -213,11 +215,8 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
     CO_ASSERT_OK(other);
     CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get()));
     internal::GrantPayload g = ConnectionTestPeer::Grants(*p->client).front();
-    auto msg = Numbered(30000, 1);
-    CO_ASSERT_OK(co_await p->client->Send(msg));
-    auto m = co_await p->server->Recv();
+    auto m = co_await Deliver(p->client.get(), p->server.get(), 30000, 1);
     CO_ASSERT_OK(m);
-    EXPECT_TRUE(IsNumbered(m->data(), 30000, 1));
     EXPECT_EQ(p->server->stats().landed_received, 1u);
     // A peer that keeps the rkey and writes again: refused by the
     // receiver's NIC (the registration ended), and the message it
@@ -242,12 +241,11 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
     // The writer's connection is down (RC: a remote access error ends it),
     // with a clear error for its next Send; the other connection works.
     EXPECT_FALSE(p->client->status().ok());
+    auto msg = Numbered(30000, 1);
     absl::Status after = co_await p->client->Send(msg);
     EXPECT_FALSE(after.ok());
-    CO_ASSERT_OK(co_await other->client->Send(msg));
-    auto o = co_await other->server->Recv();
-    CO_ASSERT_OK(o);
-    EXPECT_TRUE(IsNumbered(o->data(), 30000, 1));
+    CO_ASSERT_OK(
+        co_await Deliver(other->client.get(), other->server.get(), 30000, 1));
     co_await Close(*p);
     co_await Close(*other);
   }(this));
@@ -272,11 +270,8 @@ TEST_P(LandingTest, LandedHeaderNamingNoGrantFailsOnlyThatConnection) {
     EXPECT_NE(std::string(m.status().message()).find("landed message names"),
               std::string::npos)
         << m.status();
-    auto msg = Numbered(30000, 3);
-    CO_ASSERT_OK(co_await good->client->Send(msg));
-    auto g = co_await good->server->Recv();
-    CO_ASSERT_OK(g);
-    EXPECT_TRUE(IsNumbered(g->data(), 30000, 3));
+    CO_ASSERT_OK(
+        co_await Deliver(good->client.get(), good->server.get(), 30000, 3));
     co_await Close(*bad);
     co_await Close(*good);
   }(this));
@@ -342,11 +337,7 @@ TEST_P(LandingTest, APeerWithSmallerReceiveBuffersGetsLargerMessagesByWrite) {
     EXPECT_EQ(ss.landed_received + ss.rendezvous_received, 4u * 120 / 6);
     EXPECT_GT(ss.landed_received, 0u);
     // And back: the server's own eager limit (2 KiB) fits the client.
-    auto back = Numbered(2048, 5);
-    CO_ASSERT_OK(co_await p->server->Send(back));
-    auto m = co_await p->client->Recv();
-    CO_ASSERT_OK(m);
-    EXPECT_TRUE(IsNumbered(m->data(), 2048, 5));
+    CO_ASSERT_OK(co_await Deliver(p->server.get(), p->client.get(), 2048, 5));
     EXPECT_EQ(p->client->stats().rendezvous_received, 0u);
     co_await Close(*p);
   }(this));
