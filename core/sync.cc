@@ -30,7 +30,7 @@ bool Event::is_set() const {
   return set_.load(std::memory_order_acquire);
 }
 
-bool Semaphore::TryTake(uint64_t n) {
+bool Semaphore::TryAcquire(size_t n) {
   uint64_t s = state_.load(std::memory_order_acquire);
   while ((s & kWaitersBit) == 0 && s >= Permits(n)) {
     if (state_.compare_exchange_weak(s, s - Permits(n),
@@ -41,8 +41,6 @@ bool Semaphore::TryTake(uint64_t n) {
   }
   return false;
 }
-
-bool Semaphore::TryAcquire(size_t n) { return TryTake(n); }
 
 void Semaphore::Release(size_t n) {
   uint64_t s = state_.load(std::memory_order_acquire);

@@ -192,9 +192,7 @@ class Semaphore {
   friend class internal::SyncAwaiterBase<Semaphore>;
   static constexpr uint64_t kWaitersBit = 1;
   static constexpr uint64_t Permits(uint64_t n) { return n << 1; }
-  // Takes `n` permits if nobody waits and there are enough (any thread).
-  bool TryTake(uint64_t n);
-  bool TryLocked(internal::SyncWaiter& w) { return TryTake(w.amount); }
+  bool TryLocked(internal::SyncWaiter& w) { return TryAcquire(w.amount); }
   internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
       internal::SyncWaiter&) {
     return waiters_;
