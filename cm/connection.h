@@ -76,8 +76,11 @@ struct ConnectionOptions {
   uint64_t max_message_size = 64ull << 20;
   // Send-queue depth: work requests posted at once (more wait, FIFO).
   // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
-  // its Worker's CQ (WorkerOptions::cq_entries).
-  uint32_t send_depth = 64;
+  // its Worker's CQ (WorkerOptions::cq_entries). 0: 64, or 16 with use_srq
+  // -- every send-queue entry is memory the device keeps per connection
+  // (~1.2 KiB on rxe, measured), which an idle connection of a server with
+  // thousands of them should not pay for 64 times.
+  uint32_t send_depth = 0;
   // Receive through the Worker's shared receive queue instead of a
   // per-connection ring (servers with many mostly idle connections; needs
   // WorkerOptions::srq_depth > 0). The connection starts with
@@ -87,8 +90,11 @@ struct ConnectionOptions {
   // back once the peer stops running out. Connecting or accepting fails
   // with ResourceExhausted when srq_depth cannot promise the initial grant.
   // srq_initial_credits is at least 2 (a rendezvous needs two credits).
+  // Payloads above the Worker's srq_buffer_size - 16 (2 KiB by default)
+  // reach such a connection by RDMA WRITE, whatever the peer's
+  // rendezvous_threshold.
   bool use_srq = false;
-  uint32_t srq_initial_credits = 4;
+  uint32_t srq_initial_credits = 2;
   // Bound on Close()'s drain and disconnect.
   absl::Duration close_timeout = absl::Seconds(5);
   // Keepalive (zero: off). A connection that received nothing for this long

@@ -22,13 +22,8 @@ absl::Status ConnectionImpl::InitSrq() {
     return absl::Status(pool.status().code(),
                         absl::StrCat(name_, ": ", pool.status().message()));
   }
-  if ((*pool)->slot_size < kHeaderSize + options_.rendezvous_threshold) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: SRQ receive buffers of %d bytes cannot hold eager messages of "
-        "%d bytes + the %d-byte header (raise "
-        "WorkerOptions::srq_buffer_size or lower rendezvous_threshold)",
-        name_, (*pool)->slot_size, options_.rendezvous_threshold, kHeaderSize));
-  }
+  // Buffers smaller than our rendezvous_threshold are fine: the handshake
+  // announces their size, and the peer sends what does not fit by WRITE.
   // At least 2: a rendezvous takes the credit of its RTS and, in the same
   // turn, the one its DONE will spend; a window of 1 never holds both, the
   // RTS is never sent, and the window never grows (it grows when a message

@@ -23,7 +23,7 @@ absl::StatusOr<transport::QpOptions> QpOptionsFor(Worker& ctx,
   const transport::DeviceCaps& caps = ctx.device().caps();
   // The send queue only bounds how much is posted at once (the QueuePair
   // queues the rest); credits bound what the peer must absorb.
-  uint32_t send = o.send_depth + kCreditReserve + kCtsReserve + 4;
+  uint32_t send = SendDepth(o) + kCreditReserve + kCtsReserve + 4;
   uint32_t recv = o.recv_credits + kCreditReserve + kCtsReserve;
   if (caps.max_qp_wr != 0) {
     send = std::min(send, caps.max_qp_wr);

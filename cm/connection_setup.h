@@ -15,6 +15,12 @@
 
 namespace coverbs::cm::internal {
 
+// ConnectionOptions::send_depth with its default (0) resolved.
+inline uint32_t SendDepth(const ConnectionOptions& o) {
+  if (o.send_depth != 0) return o.send_depth;
+  return o.use_srq ? 16 : 64;
+}
+
 // The QP options a connection with `options` needs (depths, SRQ). Creates
 // the Worker's SRQ on first use.
 absl::StatusOr<transport::QpOptions> QpOptionsFor(

@@ -43,9 +43,9 @@ struct WorkerOptions {
   // Entries per completion queue (0: CompletionQueue's default, at most
   // 4096). Each connection reserves its worst case on one CQ
   // (ConnectionOptions::send_depth + 10, plus recv_credits + 6 without an
-  // SRQ: 144 with the defaults); when no CQ has room the Worker creates
-  // another, up to max_cqs (with the defaults: 28 connections per CQ,
-  // 1,792 per Worker).
+  // SRQ: 144 with the defaults, 26 with the SRQ); when no CQ has room the
+  // Worker creates another, up to max_cqs (with the defaults: 28
+  // connections per CQ, 1,792 per Worker).
   int cq_entries = 0;
   int max_cqs = 64;
   // Share a PD between workers (e.g. one PD for every reactor of a
@@ -53,11 +53,17 @@ struct WorkerOptions {
   transport::ProtectionDomain* pd = nullptr;
   // Shared receive queue for every connection of this worker that asks
   // for it (ConnectionOptions::use_srq): at most srq_depth receives of
-  // srq_buffer_size bytes (which must hold 16 + rendezvous_threshold),
-  // posted as connections need them. The SRQ reserves srq_depth entries of
-  // the CQ (cq_entries). 0 = no SRQ.
+  // srq_buffer_size bytes, posted as connections need them. The SRQ
+  // reserves srq_depth entries of the CQ (cq_entries). 0 = no SRQ.
+  //
+  // The buffers are small by default because the SRQ is for many mostly
+  // idle connections, where each connection's promised receives (its window
+  // plus 6 reserve) are most of its memory: 8 x 2112 B = 16.5 KiB instead of
+  // 8 x 8256 B. A connection announces the buffer size in its handshake, so
+  // its peer sends only payloads up to srq_buffer_size - 16 eagerly and
+  // larger ones by RDMA WRITE (landing buffers, else the rendezvous).
   uint32_t srq_depth = 0;
-  uint32_t srq_buffer_size = 8192 + 64;
+  uint32_t srq_buffer_size = 2048 + 64;
   // Rendezvous receive memory kept mapped for reuse after its message is
   // gone, so large transfers do not fault in fresh pages (each transfer
   // still registers its own rkey). 0 = allocate and free per transfer.

@@ -57,24 +57,28 @@ ABSL_FLAG(int, max_pending_handshakes, 1024,
           "peers cannot lock others out).");
 ABSL_FLAG(int, srq_depth, 0,
           "Receive through one shared receive queue per reactor of this many "
-          "8 KiB buffers instead of a ring per connection (less memory per "
-          "idle connection; each connection starts with 4 receives promised "
-          "plus 6 reserve, so this bounds connections per reactor to about "
-          "srq_depth / 10). The SRQ's CQ must hold it: --cq_entries. 0: "
-          "rings (64 receives per connection).");
+          "buffers (--srq_buffer_size) instead of a ring per connection "
+          "(less memory per idle connection; each connection starts with 2 "
+          "receives promised plus 6 reserve, so this bounds connections per "
+          "reactor to about srq_depth / 8). The SRQ's CQ must hold it: "
+          "--cq_entries. 0: rings (64 receives per connection).");
 ABSL_FLAG(int, eager_size, 8192,
           "Largest payload sent eagerly (SEND into the peer's receive "
-          "buffers, which are this + 16 bytes; with --srq_depth, the SRQ's "
-          "buffers). Smaller: less memory per connection, and clients send "
-          "larger messages by RDMA WRITE (landing buffers or rendezvous).");
-ABSL_FLAG(int, srq_initial_credits, 4,
+          "buffers, which are this + 16 bytes; with --srq_depth, at most "
+          "--srq_buffer_size - 16). Smaller: less memory per connection, and "
+          "clients send larger messages by RDMA WRITE (landing buffers or "
+          "rendezvous).");
+ABSL_FLAG(int, srq_buffer_size, 2048 + 64,
+          "With --srq_depth: bytes per SRQ receive buffer. Larger payloads "
+          "come by RDMA WRITE.");
+ABSL_FLAG(int, srq_initial_credits, 2,
           "With --srq_depth: receives promised to a new connection (its "
           "window grows while its client keeps running out). Fewer: less "
           "memory per idle connection.");
-ABSL_FLAG(int, send_depth, 64,
+ABSL_FLAG(int, send_depth, 0,
           "Send work requests posted at once per connection (more wait in "
-          "order). On a real NIC each costs send-queue memory even when "
-          "idle.");
+          "order); 0: 64, or 16 with --srq_depth. On a real NIC each costs "
+          "send-queue memory even when idle.");
 ABSL_FLAG(int, cq_entries, 0,
           "Entries per completion queue (0: the device's, at most 4096). A "
           "connection reserves 144 with the defaults; a reactor adds CQs as "
@@ -132,11 +136,16 @@ int Run() {
     std::fprintf(stderr, "echo_server: --eager_size must be in [64, 1 MiB]\n");
     return 2;
   }
-  ctx_options.srq_buffer_size = static_cast<uint32_t>(eager + 16);
-  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 1) {
+  const int srq_buffer = absl::GetFlag(FLAGS_srq_buffer_size);
+  if (srq_buffer < 64 || srq_buffer > (1 << 20) + 64) {
+    std::fprintf(stderr, "echo_server: --srq_buffer_size must be in [64, 1 MiB + 64]\n");
+    return 2;
+  }
+  ctx_options.srq_buffer_size = static_cast<uint32_t>(srq_buffer);
+  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 0) {
     std::fprintf(stderr,
                  "echo_server: --srq_initial_credits must be >= 2 (a rendezvous needs two "
-                 "credits) and --send_depth >= 1\n");
+                 "credits) and --send_depth >= 0\n");
     return 2;
   }
   // Every flag checked: now the device (it logs which provider it chose).

@@ -957,14 +957,25 @@ TEST_P(CmTest, SrqBothSidesMessagesOfEverySizeAndAMessageOutlivesIt) {
         lo.connection.qp.rnr_retry = 0;
         auto p = co_await t->MakePair(co, lo);
         CO_ASSERT_OK(p);
-        EXPECT_EQ(p->server->peer().handshake.credits, 4u);
+        EXPECT_EQ(p->server->peer().handshake.credits, 2u);
         EXPECT_EQ(p->server->peer().handshake.max_credits, 64u);
+        // The SRQ's buffers (2 KiB by default) are announced: what does not
+        // fit them goes by WRITE although the threshold is 8 KiB.
+        size_t fits = WorkerOptions().srq_buffer_size - 16;
+        EXPECT_EQ(p->server->peer().handshake.recv_buffer_size, fits + 16);
         size_t thr = ConnectionOptions().rendezvous_threshold;
-        std::vector<size_t> sizes = {1, 4096, thr - 1, thr, thr + 1, 1u << 20};
+        std::vector<size_t> sizes = {1,   fits,    fits + 1, 4096, thr - 1,
+                                     thr, thr + 1, 1u << 20};
         uint8_t seed = 0;
         for (size_t n : sizes) {
           auto data = Pattern(n, ++seed);
+          Connection::Stats before = p->client->stats();
           CO_ASSERT_OK(co_await p->client->Send(data));
+          Connection::Stats after = p->client->stats();
+          EXPECT_EQ(after.landed_sent + after.rendezvous_sent -
+                        before.landed_sent - before.rendezvous_sent,
+                    n > fits ? 1u : 0u)
+              << "size " << n;
           auto m = co_await p->server->Recv();
           CO_ASSERT_OK(m);
           EXPECT_TRUE(Same(m->data(), data)) << "size " << n;
@@ -1048,9 +1059,10 @@ TEST_P(CmTest, SrqWindowGrowsForABusySenderAndShrinksWhenItIsNot) {
 TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
   Run(
       [](CmTest* t) -> Task<void> {
-        // Each connection is promised 4 credits + 6 reserve receives.
+        // Each connection is promised 2 credits + 6 reserve receives.
         constexpr int kConns = 8;
-        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, kConns * 10));
+        constexpr int kPromised = 8;
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, kConns * kPromised));
         ListenerOptions lo;
         lo.connection.use_srq = true;
         lo.connection.recv_credits = 8;
@@ -1081,10 +1093,10 @@ TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
         }
         CO_ASSERT_TRUE(servers.size() == static_cast<size_t>(kConns));
         Worker::SrqUsage u = t->server_ctx_->srq_usage();
-        EXPECT_EQ(u.promised, kConns * 10);
-        EXPECT_EQ(u.buffers, static_cast<uint32_t>(kConns * 10));
+        EXPECT_EQ(u.promised, kConns * kPromised);
+        EXPECT_EQ(u.buffers, static_cast<uint32_t>(kConns * kPromised));
         EXPECT_EQ(u.posted, u.buffers);  // nothing held by Messages
-        EXPECT_EQ(u.bytes, u.buffers * size_t{8192 + 64});
+        EXPECT_EQ(u.bytes, u.buffers * size_t{2048 + 64});
         // Full: the next peer is rejected with the reason (the acceptor
         // goes on and takes the connection made after a close below).
         WaitGroup wg;
@@ -1118,7 +1130,7 @@ TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
         CO_ASSERT_OK(again);
         co_await wg.Wait();
         CO_ASSERT_TRUE(servers.size() == static_cast<size_t>(kConns + 1));
-        EXPECT_EQ(t->server_ctx_->srq_usage().promised, kConns * 10);
+        EXPECT_EQ(t->server_ctx_->srq_usage().promised, kConns * kPromised);
         auto hi = Pattern(10, 7);
         CO_ASSERT_OK(co_await (*again)->Send(hi));
         auto m = co_await servers.back()->Recv();
