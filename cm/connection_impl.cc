@@ -203,6 +203,12 @@ absl::Status ConnectionImpl::Start(
   if (options_.keepalive_interval > absl::ZeroDuration()) {
     SpawnInternal(KeepaliveLoop());
   }
+  // Messages can arrive before we start: on the passive side the peer's
+  // hello often overtakes our ESTABLISHED event. Their credits were owed
+  // while credit messages could not go out yet; send them now, or a peer
+  // with a small window (an SRQ connection starts with 2, and a rendezvous
+  // needs both) waits for them forever.
+  MaybeSendCredits();
   return absl::OkStatus();
 }
 

@@ -1146,6 +1146,78 @@ TEST_P(CmTest, SrqFullRejectsWithReasonAndCloseGivesTheReceivesBack) {
       absl::Seconds(120));
 }
 
+// Medium messages to an SRQ server on several connections at once, as
+// echo_client sends them: each connection's first ones take the rendezvous
+// (no landing grants yet), several in flight, with a window of 2.
+TEST_P(CmTest, SrqServerTakesConcurrentMediumMessagesOnEveryConnection) {
+  Run(
+      [](CmTest* t) -> Task<void> {
+        CO_ASSERT_OK(t->UseSrq(t->server_ctx_, 1024));
+        ConnectOptions co;
+        co.connection.qp.rnr_retry = 0;
+        ListenerOptions lo;
+        lo.connection.use_srq = true;
+        lo.connection.qp.rnr_retry = 0;
+        constexpr int kConns = 4, kInFlight = 8, kRounds = 3;
+        constexpr size_t kSize = 4096;  // above the SRQ's 2 KiB buffers
+        std::vector<Pair> pairs;
+        for (int i = 0; i < kConns; ++i) {
+          auto p = co_await t->MakePair(co, lo);
+          CO_ASSERT_OK(p);
+          pairs.push_back(*std::move(p));
+        }
+        auto send = [](Connection* c, std::vector<std::byte> data,
+                       WaitGroup* wg) -> Task<void> {
+          absl::Status s = co_await c->Send(data);
+          EXPECT_TRUE(s.ok()) << s;
+          wg->Done();
+        };
+        auto echo = [](Connection* c, int n, WaitGroup* wg) -> Task<void> {
+          for (int i = 0; i < n; ++i) {
+            auto m = co_await c->Recv();
+            if (!m.ok()) {
+              ADD_FAILURE() << m.status();
+              break;
+            }
+            absl::Status s = co_await c->Send(m->data());
+            EXPECT_TRUE(s.ok()) << s;
+          }
+          wg->Done();
+        };
+        for (int round = 0; round < kRounds; ++round) {
+          WaitGroup wg;
+          for (int i = 0; i < kConns; ++i) {
+            wg.Add(1 + kInFlight);
+            t->reactor_->Spawn(echo(pairs[i].server.get(), kInFlight, &wg));
+            for (int k = 0; k < kInFlight; ++k) {
+              t->reactor_->Spawn(send(
+                  pairs[i].client.get(),
+                  Pattern(kSize, static_cast<uint8_t>(i * 16 + k)), &wg));
+            }
+          }
+          co_await wg.Wait();
+          // Each connection's echoes come back in the order sent.
+          for (int i = 0; i < kConns; ++i) {
+            for (int k = 0; k < kInFlight; ++k) {
+              auto m = co_await pairs[i].client->Recv();
+              CO_ASSERT_OK(m);
+              EXPECT_TRUE(Same(m->data(), Pattern(kSize, static_cast<uint8_t>(
+                                                             i * 16 + k))))
+                  << "connection " << i << ", message " << k;
+            }
+          }
+        }
+        for (Pair& p : pairs) {
+          EXPECT_GT(p.client->stats().rendezvous_sent +
+                        p.client->stats().landed_sent,
+                    0u);
+          CO_ASSERT_OK(co_await p.client->Close());
+          co_await p.server->Close();
+        }
+      }(this),
+      absl::Seconds(60));
+}
+
 TEST_P(CmTest, SrqNeedsAWorkerWithOne) {
   Run([](CmTest* t) -> Task<void> {
     ListenerOptions lo;
