@@ -1,5 +1,8 @@
 #include "cm/worker.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "cm/worker_shared.h"
@@ -24,10 +27,24 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
     ctx->owned_pd_ = std::move(*pd);
     ctx->pd_ = ctx->owned_pd_.get();
   }
-  auto cq =
-      transport::CompletionQueue::Create(device, reactor, options.cq_entries);
+  int cq_entries = options.cq_entries;
+  if (cq_entries == 0 && options.srq_depth > 0) {
+    // The SRQ's receives all complete on this CQ: room for them on top of
+    // the default, so that --srq_depth alone is a working configuration.
+    uint64_t want = uint64_t{4096} + options.srq_depth;
+    uint32_t max = device.caps().max_cqe;
+    cq_entries = static_cast<int>(
+        std::min<uint64_t>(want, max != 0 ? max : want));
+  }
+  auto cq = transport::CompletionQueue::Create(device, reactor, cq_entries);
   if (!cq.ok()) return cq.status();
   ctx->cq_ = std::move(*cq);
+  if (options.srq_depth > static_cast<uint32_t>(ctx->cq_->capacity())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cm::Worker on %s: WorkerOptions::srq_depth %d does not fit its "
+        "completion queue of %d entries (cq_entries)",
+        device.name(), options.srq_depth, ctx->cq_->capacity()));
+  }
   auto connector = transport::OpenConnector(device, reactor);
   if (!connector.ok()) return connector.status();
   ctx->connector_ = *std::move(connector);

@@ -41,7 +41,7 @@ class WorkerAccess;
 
 struct WorkerOptions {
   // Entries per completion queue (0: CompletionQueue's default, at most
-  // 4096). Each connection reserves its worst case on one CQ
+  // 4096; the first CQ gets srq_depth more, for the SRQ's receives). Each connection reserves its worst case on one CQ
   // (ConnectionOptions::send_depth + 10, plus recv_credits + 6 without an
   // SRQ: 144 with the defaults, 26 with the SRQ); when no CQ has room the
   // Worker creates another, up to max_cqs (with the defaults: 28

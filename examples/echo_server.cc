@@ -60,8 +60,9 @@ ABSL_FLAG(int, srq_depth, 0,
           "buffers (--srq_buffer_size) instead of a ring per connection "
           "(less memory per idle connection; each connection starts with 2 "
           "receives promised plus 6 reserve, so this bounds connections per "
-          "reactor to about srq_depth / 8). The SRQ's CQ must hold it: "
-          "--cq_entries. 0: rings (64 receives per connection).");
+          "reactor to about srq_depth / 8). Its receives complete on the "
+          "reactor's first CQ, which grows by srq_depth unless --cq_entries "
+          "is given. 0: rings (64 receives per connection).");
 ABSL_FLAG(int, eager_size, 8192,
           "Largest payload sent eagerly (SEND into the peer's receive "
           "buffers, which are this + 16 bytes; with --srq_depth, at most "
@@ -81,8 +82,9 @@ ABSL_FLAG(int, send_depth, 0,
           "send-queue memory even when idle.");
 ABSL_FLAG(int, cq_entries, 0,
           "Entries per completion queue (0: the device's, at most 4096). A "
-          "connection reserves 144 with the defaults; a reactor adds CQs as "
-          "they fill, up to 64 (1,792 connections per reactor).");
+          "connection reserves 144 with the defaults (26 with --srq_depth); "
+          "a reactor adds CQs as they fill, up to 64 (1,792 connections per "
+          "reactor with rings).");
 ABSL_FLAG(absl::Duration, keepalive, absl::ZeroDuration(),
           "Probe a connection whose peer said nothing for this long (0: "
           "off); after 3 unanswered probes the connection is closed (a "

@@ -1218,6 +1218,38 @@ TEST_P(CmTest, SrqServerTakesConcurrentMediumMessagesOnEveryConnection) {
       absl::Seconds(60));
 }
 
+// srq_depth alone sizes the Worker's CQ for the SRQ's receives; an explicit
+// cq_entries too small for it is refused when the Worker is made, naming
+// both knobs (not at the first connection).
+TEST_P(CmTest, SrqDepthSizesTheCompletionQueue) {
+  Run([](CmTest* t) -> Task<void> {
+    CO_ASSERT_OK(t->UseSrq(t->server_ctx_, 8192));
+    EXPECT_GE(t->server_ctx_->cq().capacity(), 8192 + 4096);
+    ConnectOptions co;
+    ListenerOptions lo;
+    lo.connection.use_srq = true;
+    auto p = co_await t->MakePair(co, lo);
+    CO_ASSERT_OK(p);
+    auto hi = Pattern(64, 3);
+    CO_ASSERT_OK(co_await p->client->Send(hi));
+    auto m = co_await p->server->Recv();
+    CO_ASSERT_OK(m);
+    EXPECT_TRUE(Same(m->data(), hi));
+    CO_ASSERT_OK(co_await p->client->Close());
+    co_await p->server->Close();
+
+    WorkerOptions o;
+    o.srq_depth = 1024;
+    o.cq_entries = 256;
+    auto w = Worker::Create(*t->reactor_, *t->device_, o);
+    CO_ASSERT_TRUE(!w.ok());
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(w.status().message().find("srq_depth 1024"), std::string::npos)
+        << w.status();
+    EXPECT_NE(w.status().message().find("cq_entries"), std::string::npos);
+  }(this));
+}
+
 TEST_P(CmTest, SrqNeedsAWorkerWithOne) {
   Run([](CmTest* t) -> Task<void> {
     ListenerOptions lo;
