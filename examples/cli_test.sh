@@ -25,6 +25,7 @@ for p in "$echo_server" "$echo_client" "$kv_server" "$kv_client"; do
   expect 2 "bogus" "$p" --bogus=1
   expect 2 "port" "$p" --port=notanumber
   expect 2 "stray" "$p" stray
+  expect 2 "--provider" "$p" --provider=bogus
   expect 0 "" "$p" --help
   # The help text itself reaches a pipe (stdout), naming the flags.
   if [[ "$(timeout 20 "$p" --help 2>/dev/null)" != *"--port"* ]]; then

@@ -85,6 +85,15 @@ bool CheckAddressFlag(const char* program, const char* flag,
   return false;
 }
 
+bool CheckProviderFlag(const char* program, const std::string& value) {
+  absl::StatusOr<transport::ProviderKind> kind =
+      transport::ParseProviderKind(value);
+  if (kind.ok()) return true;
+  std::fprintf(stderr, "%s: --provider: %s\n", program,
+               std::string(kind.status().message()).c_str());
+  return false;
+}
+
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device) {
   transport::ProviderOptions o;

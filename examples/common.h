@@ -36,6 +36,10 @@ void ApplyLandingFlags(cm::ConnectionOptions& o);
 bool CheckAddressFlag(const char* program, const char* flag,
                       const std::string& value);
 
+// The --provider value, refused with a message when it names no provider
+// (checked with the other flags, so that it exits 2 like them).
+bool CheckProviderFlag(const char* program, const std::string& value);
+
 // provider: "auto" | "verbs" | "soft"; device: verbs device name or "".
 absl::StatusOr<std::unique_ptr<transport::Device>> OpenDevice(
     const std::string& provider, const std::string& device);

@@ -169,6 +169,7 @@ Task<absl::Status> Main(cm::Worker* ctx, std::vector<Run>* runs,
 
 int RunMain() {
   if (!CheckAddressFlag("echo_client", "server", absl::GetFlag(FLAGS_server))) return 2;
+  if (!CheckProviderFlag("echo_client", absl::GetFlag(FLAGS_provider))) return 2;
   std::vector<int64_t> sizes;
   for (const std::string& v : absl::GetFlag(FLAGS_sizes)) {
     int64_t n;

@@ -114,6 +114,7 @@ void PrintStats(const rpc::Server& server) {
 
 int Run() {
   if (!CheckAddressFlag("echo_server", "address", absl::GetFlag(FLAGS_address))) return 2;
+  if (!CheckProviderFlag("echo_server", absl::GetFlag(FLAGS_provider))) return 2;
   auto poll = ParsePollMode(absl::GetFlag(FLAGS_poll));
   if (!poll.ok()) {
     std::fprintf(stderr, "echo_server: --poll: %s\n", poll.status().ToString().c_str());

@@ -135,6 +135,7 @@ Task<absl::Status> Main(cm::Worker* ctx, const std::vector<size_t>& sizes, Stats
 
 int RunMain() {
   if (!CheckAddressFlag("kv_client", "server", absl::GetFlag(FLAGS_server))) return 2;
+  if (!CheckProviderFlag("kv_client", absl::GetFlag(FLAGS_provider))) return 2;
   std::vector<size_t> sizes;
   for (const std::string& v : absl::GetFlag(FLAGS_value_sizes)) {
     size_t n;

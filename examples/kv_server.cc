@@ -124,6 +124,7 @@ class Store {
 
 int Run() {
   if (!CheckAddressFlag("kv_server", "address", absl::GetFlag(FLAGS_address))) return 2;
+  if (!CheckProviderFlag("kv_server", absl::GetFlag(FLAGS_provider))) return 2;
   if (absl::GetFlag(FLAGS_slots) < 1 || absl::GetFlag(FLAGS_max_value_size) < 0 ||
       absl::GetFlag(FLAGS_max_value_size) > (16 << 20) || absl::GetFlag(FLAGS_threads) < 1) {
     std::fprintf(stderr, "kv_server: need --slots >= 1, 0 <= --max_value_size <= 16 MiB, "
