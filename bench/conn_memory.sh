@@ -9,6 +9,8 @@
 # Example (host, soft):   bench/conn_memory.sh bazel-bin/examples/echo_server \
 #   bazel-bin/examples/echo_client soft 127.0.0.1 1000
 # In the VM: VM_RDMA=rxe tests/vm/run-in-vm.sh bench/conn_memory.sh ... verbs '$COVERBS_VM_ADDR_A' 1000
+# SIZE (default 64): the payload of each connection's one call; above the
+# server's eager limit it makes the server keep landing buffers for it.
 set -u
 server=$1 client=$2 provider=$3 addr=$4 n=$5
 shift 5
@@ -27,7 +29,7 @@ rss() { awk '/^VmRSS/ {print $2}' "/proc/$pid/status"; }
 sleep 0.5
 rss0=$(rss)
 "$client" --provider="$provider" --server="$addr" --port="$(cat "$tmp/port")" \
-  --calls="$n" --concurrency=1 --connections="$n" --size=64 --hold=60s \
+  --calls="$n" --concurrency=1 --connections="$n" --size="${SIZE:-64}" --hold=60s \
   >"$tmp/client.log" 2>&1 &
 cpid=$!
 for _ in $(seq 6000); do grep -q "holding" "$tmp/client.log" && break; sleep 0.1; done
@@ -35,6 +37,6 @@ grep -q "holding" "$tmp/client.log" || { cat "$tmp/client.log"; echo "client did
 sleep 1
 rss1=$(rss)
 kill $cpid 2>/dev/null
-echo "provider $provider, $n idle connections, server flags: ${*:-(defaults)}"
+echo "provider $provider, $n idle connections after a ${SIZE:-64} B call, server flags: ${*:-(defaults)}"
 echo "server RSS: $rss0 KiB -> $rss1 KiB: $(((rss1 - rss0) / n)) KiB per connection"
 
