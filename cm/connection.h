@@ -77,9 +77,9 @@ struct ConnectionOptions {
   // Send-queue depth: work requests posted at once (more wait, FIFO).
   // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
   // its Worker's CQ (WorkerOptions::cq_entries). 0: 64, or 16 with use_srq
-  // -- every send-queue entry is memory the device keeps per connection
-  // (~1.2 KiB on rxe, measured), which an idle connection of a server with
-  // thousands of them should not pay for 64 times.
+  // -- every send-queue entry costs memory per connection even when idle
+  // (~1.2 KiB on rxe, measured: queue, CQ share and our own state), which a
+  // server with thousands of mostly idle connections should not pay 64 times.
   uint32_t send_depth = 0;
   // Receive through the Worker's shared receive queue instead of a
   // per-connection ring (servers with many mostly idle connections; needs
