@@ -11,24 +11,7 @@ namespace coverbs::cm {
 // ---------------------------------------------------------------------------
 // Message
 
-Message::Message(Message&& o) noexcept
-    : data_(std::exchange(o.data_, nullptr)),
-      size_(std::exchange(o.size_, 0)),
-      owner_(std::exchange(o.owner_, nullptr)) {}
-
-Message& Message::operator=(Message&& o) noexcept {
-  if (this != &o) {
-    if (owner_ != nullptr) owner_->Release();
-    data_ = std::exchange(o.data_, nullptr);
-    size_ = std::exchange(o.size_, 0);
-    owner_ = std::exchange(o.owner_, nullptr);
-  }
-  return *this;
-}
-
-Message::~Message() {
-  if (owner_ != nullptr) owner_->Release();
-}
+void Message::ReleaseOwner() { owner_->Release(); }
 // ---------------------------------------------------------------------------
 // Connection
 
