@@ -1,5 +1,6 @@
 #include "rpc/wire.h"
 
+#include <bit>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -9,32 +10,39 @@
 namespace coverbs::rpc {
 namespace {
 
-// Explicit little-endian stores/loads: the wire is little endian whatever the
-// host, and the bytes need not be aligned.
-void Put16(std::byte* p, uint16_t v) {
-  for (int i = 0; i < 2; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+// Little-endian stores/loads: the wire is little endian whatever the host,
+// and the bytes need not be aligned. memcpy compiles to one move on a
+// little-endian host (byte loops did not: a header cost ~80 instructions
+// to encode and ~130 to read).
+template <typename T>
+T ToWire(T v) {
+  if constexpr (std::endian::native == std::endian::big) {
+    T r = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) {
+      r = static_cast<T>((r << 8) | ((v >> (8 * i)) & 0xff));
+    }
+    return r;
+  } else {
+    return v;
+  }
 }
-void Put32(std::byte* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+template <typename T>
+void Put(std::byte* p, T v) {
+  v = ToWire(v);
+  std::memcpy(p, &v, sizeof v);
 }
-void Put64(std::byte* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
+template <typename T>
+T Get(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return ToWire(v);
 }
-uint16_t Get16(const std::byte* p) {
-  uint16_t v = 0;
-  for (int i = 0; i < 2; ++i) v |= static_cast<uint16_t>(p[i]) << (8 * i);
-  return v;
-}
-uint32_t Get32(const std::byte* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-uint64_t Get64(const std::byte* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return v;
-}
+void Put16(std::byte* p, uint16_t v) { Put(p, v); }
+void Put32(std::byte* p, uint32_t v) { Put(p, v); }
+void Put64(std::byte* p, uint64_t v) { Put(p, v); }
+uint16_t Get16(const std::byte* p) { return Get<uint16_t>(p); }
+uint32_t Get32(const std::byte* p) { return Get<uint32_t>(p); }
+uint64_t Get64(const std::byte* p) { return Get<uint64_t>(p); }
 
 constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
 
@@ -110,6 +118,25 @@ std::string EncodeError(uint64_t call_id, uint32_t method_id,
   return out;
 }
 
+namespace {
+
+// The header's fields, unchecked; `data` holds at least kHeaderSize bytes.
+FrameHeader ReadHeader(const std::byte* data) {
+  FrameHeader h;
+  h.type = static_cast<FrameType>(data[5]);
+  h.flags = Get16(&data[6]);
+  h.call_id = Get64(&data[8]);
+  h.method_id = Get32(&data[16]);
+  h.status = Get32(&data[20]);
+  h.payload_len = Get32(&data[24]);
+  return h;
+}
+
+absl::StatusOr<Frame> DecodeFrameSlow(std::span<const std::byte> data,
+                                      Side side, const DecodeLimits& limits);
+
+}  // namespace
+
 absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data) {
   if (data.size() < kHeaderSize) {
     return absl::InvalidArgumentError(
@@ -122,18 +149,39 @@ absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data) {
         "not an rpc frame: magic 0x%08x, expected 0x%08x", magic,
         kFrameMagic));
   }
-  FrameHeader h;
-  h.type = static_cast<FrameType>(data[5]);
-  h.flags = Get16(&data[6]);
-  h.call_id = Get64(&data[8]);
-  h.method_id = Get32(&data[16]);
-  h.status = Get32(&data[20]);
-  h.payload_len = Get32(&data[24]);
-  return h;
+  return ReadHeader(data.data());
 }
 
 absl::StatusOr<Frame> DecodeFrame(std::span<const std::byte> data, Side side,
                                   const DecodeLimits& limits) {
+  // Every message takes this path: the usual frames (a request or cancel on
+  // the server, a response on the client) are read once and accepted by a
+  // few comparisons. Anything else -- error frames, and every malformed
+  // frame -- goes through the rules one by one, which also name what is
+  // wrong.
+  if (data.size() >= kHeaderSize) {
+    const FrameHeader h = ReadHeader(data.data());
+    const size_t payload = data.size() - kHeaderSize;
+    bool ok = Get32(&data[0]) == kFrameMagic &&
+              static_cast<uint8_t>(data[4]) == kWireVersion && h.flags == 0 &&
+              Get32(&data[28]) == 0 && h.call_id != 0 && h.status == 0 &&
+              h.payload_len == payload && h.payload_len <= limits.max_payload;
+    if (ok && side == Side::kServer) {
+      ok = h.method_id != 0 &&
+           (h.type == FrameType::kRequest ||
+            (h.type == FrameType::kCancel && h.payload_len == 0));
+    } else if (ok) {
+      ok = h.type == FrameType::kResponse;
+    }
+    if (ok) return Frame{h, data.subspan(kHeaderSize)};
+  }
+  return DecodeFrameSlow(data, side, limits);
+}
+
+namespace {
+
+absl::StatusOr<Frame> DecodeFrameSlow(std::span<const std::byte> data,
+                                      Side side, const DecodeLimits& limits) {
   absl::StatusOr<FrameHeader> peek = PeekHeader(data);
   if (!peek.ok()) return peek.status();
   const FrameHeader& h = *peek;
@@ -213,6 +261,8 @@ absl::StatusOr<Frame> DecodeFrame(std::span<const std::byte> data, Side side,
   }
   return Frame{h, data.subspan(kHeaderSize)};
 }
+
+}  // namespace
 
 absl::Status StatusFromErrorFrame(const Frame& f) {
   std::string msg(reinterpret_cast<const char*>(f.payload.data()),
