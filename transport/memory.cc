@@ -48,9 +48,9 @@ absl::StatusOr<std::unique_ptr<BufferPool>> BufferPool::Create(
   auto mr = pd.Register(p->mem_, bytes, options.access);
   if (!mr.ok()) return mr.status();
   p->mr_ = *std::move(mr);
-  p->free_.reserve(options.count);
+  p->next_ = std::make_unique<std::atomic<uint32_t>[]>(options.count);
   for (size_t i = options.count; i-- > 0;) {
-    p->free_.push_back(static_cast<uint32_t>(i));
+    p->Push(static_cast<uint32_t>(i));
   }
   p->sem_.Release(options.count);
   return p;
@@ -61,18 +61,40 @@ BufferPool::~BufferPool() {
   if (mem_ != nullptr) munmap(mem_, mapped_);
 }
 
+// A Treiber stack of indices. The head packs (tag << 32 | index + 1) so
+// that a pop racing with a pop + push of the same buffer (ABA) fails its
+// compare-and-swap; next_ is a fixed array, so nothing is ever freed under a
+// reader. A buffer is taken or returned at the message rate, from the
+// owning reactor and (Buffers may be released anywhere) from others: a
+// mutex here cost ~70 instructions of its own per get and per put.
+void BufferPool::Push(uint32_t index) {
+  uint64_t old = head_.load(std::memory_order_relaxed);
+  uint64_t next;
+  do {
+    next_[index].store(static_cast<uint32_t>(old), std::memory_order_relaxed);
+    next = (((old >> 32) + 1) << 32) | (uint64_t{index} + 1);
+    // Release: whoever pops the index sees what was written before.
+  } while (!head_.compare_exchange_weak(old, next, std::memory_order_release,
+                                        std::memory_order_relaxed));
+}
+
 uint32_t BufferPool::Pop() {
-  std::lock_guard<std::mutex> lock(mu_);
-  uint32_t i = free_.back();
-  free_.pop_back();
-  return i;
+  // The caller holds a permit of sem_, so the stack is not empty: a permit
+  // is released only after its index was pushed.
+  uint64_t old = head_.load(std::memory_order_acquire);
+  for (;;) {
+    uint32_t top = static_cast<uint32_t>(old) - 1;
+    uint64_t next = (((old >> 32) + 1) << 32) |
+                    next_[top].load(std::memory_order_relaxed);
+    if (head_.compare_exchange_weak(old, next, std::memory_order_acquire,
+                                    std::memory_order_acquire)) {
+      return top;
+    }
+  }
 }
 
 void BufferPool::Put(uint32_t index) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(index);
-  }
+  Push(index);
   sem_.Release();
 }
 

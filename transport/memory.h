@@ -3,6 +3,7 @@
 #ifndef COVERBS_TRANSPORT_MEMORY_H_
 #define COVERBS_TRANSPORT_MEMORY_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <list>
@@ -82,6 +83,7 @@ class BufferPool {
  private:
   BufferPool(Options o) : options_(o), sem_(0) {}
   void Put(uint32_t index);
+  void Push(uint32_t index);
   uint32_t Pop();
 
   Options options_;
@@ -89,8 +91,9 @@ class BufferPool {
   size_t mapped_ = 0;
   bool hugepages_ = false;
   MemoryRegion mr_;
-  std::mutex mu_;
-  std::vector<uint32_t> free_;  // stack of free indices
+  // Free indices: a lock-free stack (memory.cc says why and how).
+  std::atomic<uint64_t> head_{0};
+  std::unique_ptr<std::atomic<uint32_t>[]> next_;
   Semaphore sem_;               // counts free buffers; waiters queue FIFO
 };
 

@@ -1,0 +1,62 @@
+// BufferPool's free list is lock-free and buffers come back from any thread
+// (transport/memory.cc): many threads taking and returning buffers of a
+// small pool must never hold the same buffer at once, and every buffer must
+// be back, once, at the end.
+#include <atomic>
+#include <memory>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "transport/device.h"
+#include "transport/memory.h"
+#include "transport/provider.h"
+
+namespace coverbs::transport {
+namespace {
+
+TEST(BufferPoolTest, GetAndPutFromManyThreads) {
+  ProviderOptions po;
+  po.kind = ProviderKind::kSoft;
+  auto device = Device::Open(po);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto pd = (*device)->AllocPd();
+  ASSERT_TRUE(pd.ok()) << pd.status();
+  BufferPool::Options o;
+  o.buffer_size = 64;
+  o.count = 8;
+  auto pool = BufferPool::Create(**pd, o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::vector<std::atomic<int>> owners(o.count);
+  std::atomic<bool> clash{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&pool, &owners, &clash] {
+      BufferPool::Buffer kept;  // returned by the next move assignment
+      for (int i = 0; i < 20000; ++i) {
+        auto b = (*pool)->TryGet();
+        if (!b.has_value()) continue;
+        if (owners[b->index()].fetch_add(1) != 0) clash = true;
+        owners[b->index()].fetch_sub(1);
+        if (i % 3 == 0) kept = std::move(*b);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(clash.load());
+  EXPECT_EQ((*pool)->available(), o.count);
+  std::set<uint32_t> seen;
+  std::vector<BufferPool::Buffer> all;
+  for (size_t i = 0; i < o.count; ++i) {
+    auto b = (*pool)->TryGet();
+    ASSERT_TRUE(b.has_value());
+    EXPECT_TRUE(seen.insert(b->index()).second);
+    all.push_back(std::move(*b));
+  }
+  EXPECT_FALSE((*pool)->TryGet().has_value());
+}
+
+}  // namespace
+}  // namespace coverbs::transport
