@@ -126,6 +126,10 @@ class Event {
   class Awaiter : public internal::SyncAwaiterBase<Event> {
    public:
     using SyncAwaiterBase::SyncAwaiterBase;
+    // Already set: no suspension and no lock (acquire pairs with Set).
+    bool await_ready() const noexcept {
+      return prim_->set_.load(std::memory_order_acquire);
+    }
     absl::Status await_resume() {
       Finish();
       if (node_.cancelled) return absl::CancelledError("event wait cancelled");
@@ -177,6 +181,11 @@ class Semaphore {
   class Awaiter : public internal::SyncAwaiterBase<Semaphore> {
    public:
     Awaiter(Semaphore* s, size_t n) : SyncAwaiterBase(s) { node_.amount = n; }
+    // Permits free and nobody queued: taken without suspending or locking
+    // (TryAcquire fails while waiters are queued, so FIFO order holds). A
+    // connection's send path and an rpc call's admission take this path
+    // several times per message.
+    bool await_ready() noexcept { return prim_->TryAcquire(node_.amount); }
     absl::Status await_resume() {
       Finish();
       if (node_.cancelled) {
