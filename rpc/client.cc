@@ -206,15 +206,26 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   const uint64_t id = st->next_id++;
   ++st->stats.calls;
 
-  // One stop source for the call: the caller's ambient token, the explicit
-  // cancel token and the deadline all request it.
-  std::stop_source source;
+  // The call stops when the caller's ambient token, the explicit cancel
+  // token or the deadline asks. With only one of the tokens able to stop
+  // and no deadline (the usual case) the call runs on that token itself;
+  // otherwise one stop source per call joins them. (A stop source is a
+  // heap-allocated shared state plus a callback registration per link.)
   std::stop_token ambient = co_await CurrentStopToken();
-  StopLink link1(ambient, source);
-  StopLink link2(options.cancel, source);
+  const bool timed = options.deadline != absl::InfiniteFuture();
+  std::stop_token token;
+  std::optional<std::stop_source> source;
+  std::optional<StopLink> link1, link2;
   StopAtDeadline timer;
-  if (options.deadline != absl::InfiniteFuture()) {
-    timer.Arm(source, SteadyAfter(options.deadline - absl::Now()));
+  if (timed || (ambient.stop_possible() && options.cancel.stop_possible())) {
+    source.emplace();
+    link1.emplace(ambient, *source);
+    link2.emplace(options.cancel, *source);
+    if (timed) timer.Arm(*source, SteadyAfter(options.deadline - absl::Now()));
+    token = source->get_token();
+  } else {
+    token = options.cancel.stop_possible() ? std::move(options.cancel)
+                                           : std::move(ambient);
   }
 
   Pending p(st.get(), id);
@@ -223,14 +234,14 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
       st->conn.get(), &p,
       RequestHeader(id, method_id, static_cast<uint32_t>(payload.size())),
       payload);
-  inner.SetStopToken(source.get_token());
+  inner.SetStopToken(token);
   absl::Status s = co_await std::move(inner);
   timer.Cancel();
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.
   auto it = st->pending.find(id);
   if (it != st->pending.end()) st->pending.erase(it);
-  if (source.stop_requested()) {
+  if (token.stop_requested()) {
     // Tell the server to stop the handler; its response, if already on the
     // way, is dropped by the reader (unknown id).
     if (st->status.ok()) st->reactor->Spawn(SendCancel(st, id, method_id));

@@ -434,6 +434,27 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
     CO_ASSERT_OK(co_await done.Wait());
     EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled);
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_cancelled == 2; }));
+    // Both able to stop (the call joins them in a stop source of its own):
+    // the explicit token still cancels while the ambient one stays quiet.
+    std::stop_source cancel2;
+    CallOptions o2;
+    o2.cancel = cancel2.get_token();
+    Task<absl::StatusOr<Response>> call2 = (*c)->Call("Slow", {}, o2);
+    std::stop_source ambient2;
+    call2.SetStopToken(ambient2.get_token());
+    Reactor::Current()->Spawn([](Task<absl::StatusOr<Response>> call,
+                                 absl::StatusOr<Response>* out,
+                                 Event* done) -> Task<void> {
+      *out = co_await std::move(call);
+      done->Set();
+    }(std::move(call2), &result, &done));
+    done.Reset();
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 3; }));
+    cancel2.request_stop();
+    CO_ASSERT_OK(co_await done.Wait());
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled);
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_cancelled == 3; }));
+    EXPECT_FALSE(ambient2.stop_requested());
   }(this));
 }
 
