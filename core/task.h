@@ -247,6 +247,29 @@ struct CurrentStopToken {
   std::stop_token await_resume() noexcept { return std::move(token); }
 };
 
+namespace internal {
+
+// co_await SwapStopToken{&t} exchanges the calling coroutine's (a Task's)
+// ambient stop token with `t`, without suspending: what it awaits from then
+// on sees the new token. For a coroutine that must run part of its body
+// under another token without wrapping that part in a Task of its own (a
+// frame per call); a second swap restores both. It holds a pointer, not a
+// token: gcc 12 may destroy a co_await operand's temporaries twice.
+struct SwapStopToken {
+  std::stop_token* token;
+  bool await_ready() const noexcept { return false; }
+  template <typename P>
+  bool await_suspend(std::coroutine_handle<P> h) noexcept {
+    std::stop_token old = h.promise().stop_token();
+    h.promise().set_stop_token(std::move(*token));
+    *token = std::move(old);
+    return false;  // resume immediately
+  }
+  void await_resume() const noexcept {}
+};
+
+}  // namespace internal
+
 }  // namespace coverbs
 
 #endif  // COVERBS_CORE_TASK_H_

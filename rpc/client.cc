@@ -37,21 +37,62 @@ using internal::ClientState;
 
 namespace {
 
-// One waiting call; lives in the Call coroutine's frame.
-struct Pending {
+// One waiting call; lives in the Call coroutine's frame, which awaits it
+// for the response. A reactor-local one-shot rather than an Event and a
+// Task around the send and the wait: the reader completes it on the same
+// thread, and a stop request (which may come from any thread) is handed to
+// the reactor by CancellableOp before the wait ends.
+struct Pending final : coverbs::internal::CancellableOp {
   ClientState* st;
   uint64_t id;
-  Event done;
+  bool registered = true;  // in st->pending
+  bool waiting = false;    // the call is suspended on it
   std::optional<absl::StatusOr<Response>> result;
-  Pending(ClientState* s, uint64_t i) : st(s), id(i) {}
+  std::optional<std::stop_callback<coverbs::internal::CancelCallback>> cb;
+
+  Pending(ClientState* s, uint64_t i)
+      : CancellableOp(s->reactor), st(s), id(i) {}
   ~Pending() {
-    // Frame destroyed while registered (reactor shutdown): unregister.
+    cb.reset();
+    // Frame destroyed while registered (reactor shutdown), or the call
+    // gave up: unregister.
+    Unregister();
+  }
+  void Unregister() {
+    if (!registered) return;
+    registered = false;
     auto it = st->pending.find(id);
     if (it != st->pending.end() && it->second == this) st->pending.erase(it);
   }
+  // Reactor thread; the caller took it out of st->pending.
   void Complete(absl::StatusOr<Response> r) {
+    registered = false;
     result.emplace(std::move(r));
-    done.Set();
+    if (waiting) Finish();
+  }
+
+  // Awaiting it waits for Complete or a stop request; then `result` says
+  // which.
+  bool await_ready() const noexcept { return result.has_value(); }
+  template <typename P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    std::stop_token token = coverbs::internal::StopTokenOf(h);
+    if (token.stop_requested()) return false;
+    waiter_ = h;
+    waiting = true;
+    if (token.stop_possible()) {
+      cb.emplace(std::move(token), coverbs::internal::CancelCallback{this});
+    }
+    return true;
+  }
+  void await_resume() { cb.reset(); }
+
+ private:
+  // Reactor thread: stop requested before a response came. A response that
+  // arrives later finds no pending call (a late response).
+  void DoCancel() override {
+    Unregister();
+    Finish();
   }
 };
 
@@ -59,15 +100,6 @@ template <typename T>
 Task<T> Unstoppable(Task<T> t) {
   t.SetStopToken(std::stop_token{});
   co_return co_await std::move(t);
-}
-
-Task<absl::Status> SendAndWait(cm::Connection* conn, Pending* p,
-                               HeaderBytes hdr,
-                               std::span<const std::byte> payload) {
-  std::span<const std::byte> parts[2] = {hdr, payload};
-  absl::Status s = co_await conn->SendV(parts);
-  if (!s.ok()) co_return s;
-  co_return co_await p->done.Wait();
 }
 
 Task<void> SendCancel(std::shared_ptr<ClientState> st, uint64_t id,
@@ -223,24 +255,28 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
     link2.emplace(options.cancel, *source);
     if (timed) timer.Arm(*source, SteadyAfter(options.deadline - absl::Now()));
     token = source->get_token();
+  } else if (options.cancel.stop_possible()) {
+    token = std::move(options.cancel);
   } else {
-    token = options.cancel.stop_possible() ? std::move(options.cancel)
-                                           : std::move(ambient);
+    token = ambient;
   }
+  // The send and the wait run under the call's token (swapped in, and back
+  // out below, so `token` holds the caller's meanwhile).
+  const bool own_token = token != ambient;
+  if (own_token) co_await coverbs::internal::SwapStopToken{&token};
 
   Pending p(st.get(), id);
   st->pending.emplace(id, &p);
-  Task<absl::Status> inner = SendAndWait(
-      st->conn.get(), &p,
-      RequestHeader(id, method_id, static_cast<uint32_t>(payload.size())),
-      payload);
-  inner.SetStopToken(token);
-  absl::Status s = co_await std::move(inner);
+  const HeaderBytes hdr =
+      RequestHeader(id, method_id, static_cast<uint32_t>(payload.size()));
+  std::span<const std::byte> parts[2] = {hdr, payload};
+  absl::Status s = co_await st->conn->SendV(parts);
+  if (s.ok()) co_await p;
+  if (own_token) co_await coverbs::internal::SwapStopToken{&token};
   timer.Cancel();
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.
-  auto it = st->pending.find(id);
-  if (it != st->pending.end()) st->pending.erase(it);
+  p.Unregister();
   if (token.stop_requested()) {
     // Tell the server to stop the handler; its response, if already on the
     // way, is dropped by the reader (unknown id).

@@ -1,6 +1,7 @@
 #include "core/task.h"
 
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <utility>
 
@@ -157,6 +158,32 @@ Task<int> Loop(int n) {
 TEST(TaskTest, MillionSequentialAwaits) {
   auto r = MakeReactor();
   EXPECT_EQ(r->BlockOn(Loop(1000000)), 1000000);
+}
+
+// SwapStopToken: what the coroutine awaits after the swap sees the new token,
+// the old one comes back with a second swap, and the callers' tokens are
+// untouched.
+Task<bool> StopRequestedHere() {
+  std::stop_token t = co_await CurrentStopToken();
+  co_return t.stop_requested();
+}
+Task<std::string> SwapsAndRestores(std::stop_token narrow) {
+  std::string seen;
+  seen += (co_await StopRequestedHere()) ? "1" : "0";
+  co_await internal::SwapStopToken{&narrow};
+  seen += (co_await StopRequestedHere()) ? "1" : "0";
+  co_await internal::SwapStopToken{&narrow};
+  seen += (co_await StopRequestedHere()) ? "1" : "0";
+  seen += narrow.stop_requested() ? "1" : "0";
+  co_return seen;
+}
+
+TEST(TaskTest, SwapStopTokenReplacesTheAmbientTokenUntilSwappedBack) {
+  auto r = MakeReactor();
+  std::stop_source stopped;
+  stopped.request_stop();
+  // Ambient (BlockOn's) not stopped; the swapped-in one is.
+  EXPECT_EQ(r->BlockOn(SwapsAndRestores(stopped.get_token())), "0101");
 }
 
 }  // namespace
