@@ -290,10 +290,10 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                                       ": bad frame: ", f.status().message()));
       if (id != 0 && !c->calls.contains(id)) {
         (void)co_await Unstoppable(
-            WithTimeout(SendError(c, id, 0, why), absl::Seconds(2)));
+            WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
       }
       (void)co_await Unstoppable(
-          WithTimeout(SendError(c, 0, 0, why), absl::Seconds(2)));
+          WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
       break;
     }
     const FrameHeader& h = f->header;
@@ -308,28 +308,36 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       }
       continue;
     }
-    // A request.
-    if (c->calls.contains(h.call_id)) {
+    // A request. Its call record goes in first: one hash lookup both
+    // finds a reused id and makes the entry (taken out again below when
+    // the request goes no further).
+    auto [call_it, fresh] = c->calls.try_emplace(h.call_id);
+    if (!fresh) {
       stats_.protocol_errors.fetch_add(1);
       why = absl::InvalidArgumentError(absl::StrCat(
           "rpc server on ", conn.name(), ": call id ", h.call_id,
           " reused while that call is still running"));
       (void)co_await Unstoppable(
-          WithTimeout(SendError(c, 0, 0, why), absl::Seconds(2)));
+          WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
       break;
     }
     auto mit = methods_.find(h.method_id);
     if (mit == methods_.end()) {
+      c->calls.erase(call_it);
       stats_.unknown_method.fetch_add(1);
       co_await SendError(
-          c, h.call_id, h.method_id,
+          c.get(), h.call_id, h.method_id,
           absl::NotFoundError(absl::StrFormat(
               "no method with id 0x%08x is registered on this server",
               h.method_id)));
       continue;
     }
+    // The handler's token, taken before the await below (other calls may
+    // end meanwhile and erase their entries).
+    std::stop_token token = call_it->second.stop.get_token();
     absl::Status admitted = co_await c->admission.Acquire();
     if (!admitted.ok()) {
+      c->calls.erase(h.call_id);
       why = admitted;
       break;
     }
@@ -351,11 +359,11 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     } else {
       req.payload = Payload(*std::move(m), kHeaderSize);
     }
-    std::stop_token token =
-        c->calls.try_emplace(h.call_id).first->second.stop.get_token();
     c->active.Add();
+    // A plain pointer to the connection state: this loop holds it and
+    // waits for every call (c->active) before it lets go.
     c->ctx->reactor().Spawn(
-        RunCall(c, h.call_id, mit->second.get(), std::move(req)),
+        RunCall(c.get(), h.call_id, mit->second.get(), std::move(req)),
         std::move(token));
   }
   // The connection is done: stop every call, wait for them, close.
@@ -372,7 +380,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   (void)why;
 }
 
-Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
+Task<void> Server::RunCall(Conn* c, uint64_t call_id,
                            const Method* method, Request req) {
   uint32_t method_id = req.method_id;
   absl::Status slot = co_await c->running.Acquire();
@@ -421,7 +429,7 @@ Task<void> Server::RunCall(std::shared_ptr<Conn> c, uint64_t call_id,
   c->active.Done();
 }
 
-Task<void> Server::SendError(std::shared_ptr<Conn> c, uint64_t call_id,
+Task<void> Server::SendError(Conn* c, uint64_t call_id,
                              uint32_t method_id, absl::Status status) {
   std::string frame = EncodeError(call_id, method_id, status);
   (void)co_await c->conn->Send(std::as_bytes(std::span(frame)));
