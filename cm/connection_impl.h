@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -212,7 +213,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::StatusOr<transport::BufferPool::Buffer>> AcquireSend();
   // The same without waiting: true (and `out` set) when the turn, a credit
   // and a buffer were all free; else nothing is taken.
-  bool TryAcquireSend(absl::StatusOr<transport::BufferPool::Buffer>& out);
+  bool TryAcquireSend(std::optional<transport::BufferPool::Buffer>& out);
   // A send that holds the turn and its credit but will not post: gives both
   // back (the credit only while up: Fail released every waiter with
   // permits that are not credits).
@@ -256,6 +257,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status OpError(const char* op, const absl::Status& s);
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetSendBuffer();
   absl::StatusOr<transport::BufferPool*> SendPool();
+  // SendPool's answer once found: the Worker keeps its pools as long as it
+  // lives, which outlasts its connections (a map lookup per message else).
+  transport::BufferPool* send_pool_ = nullptr;
   // The Worker's pool of registered buffers of `size` bytes (shared by
   // its connections; made with `count` buffers on first use).
   absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count);

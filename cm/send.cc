@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -67,7 +68,7 @@ Task<absl::Status> ConnectionImpl::TakeCredit() {
 }
 
 bool ConnectionImpl::TryAcquireSend(
-    absl::StatusOr<transport::BufferPool::Buffer>& out) {
+    std::optional<transport::BufferPool::Buffer>& out) {
   if (!status_.ok() || closing_ || !started_ || !may_send_.is_set()) {
     return false;
   }
@@ -75,10 +76,8 @@ bool ConnectionImpl::TryAcquireSend(
   if (credits_.TryAcquire(1)) {
     auto pool = SendPool();
     if (pool.ok()) {
-      if (auto b = (*pool)->TryGet()) {
-        out = std::move(*b);
-        return true;
-      }
+      out = (*pool)->TryGet();
+      if (out.has_value()) return true;
     }
     credits_.Release(1);
   }
@@ -111,7 +110,10 @@ void ConnectionImpl::AbandonTurn() {
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
-  return PoolOf(kHeaderSize + options_.rendezvous_threshold, 256);
+  if (send_pool_ != nullptr) return send_pool_;
+  auto pool = PoolOf(kHeaderSize + options_.rendezvous_threshold, 256);
+  if (pool.ok()) send_pool_ = *pool;
+  return pool;
 }
 
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
@@ -149,11 +151,11 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   // Nobody waiting and the turn, a credit and a buffer free now: take them
   // without AcquireSend's three nested coroutines (the common case; only
   // uncontended TryAcquires succeed, so FIFO order is kept).
-  absl::StatusOr<transport::BufferPool::Buffer> buf =
-      absl::UnavailableError("");
+  std::optional<transport::BufferPool::Buffer> buf;
   if (!TryAcquireSend(buf)) {
-    buf = co_await AcquireSend();
-    if (!buf.ok()) co_return buf.status();
+    auto got = co_await AcquireSend();
+    if (!got.ok()) co_return got.status();
+    buf = *std::move(got);
   }
   WireHeader h;
   FillHeader(h, type, static_cast<uint32_t>(total), cookie, 0);
