@@ -30,27 +30,7 @@ bool Event::is_set() const {
   return set_.load(std::memory_order_acquire);
 }
 
-bool Semaphore::TryAcquire(size_t n) {
-  uint64_t s = state_.load(std::memory_order_acquire);
-  while ((s & kWaitersBit) == 0 && s >= Permits(n)) {
-    if (state_.compare_exchange_weak(s, s - Permits(n),
-                                     std::memory_order_acq_rel,
-                                     std::memory_order_acquire)) {
-      return true;
-    }
-  }
-  return false;
-}
-
-void Semaphore::Release(size_t n) {
-  uint64_t s = state_.load(std::memory_order_acquire);
-  while ((s & kWaitersBit) == 0) {
-    if (state_.compare_exchange_weak(s, s + Permits(n),
-                                     std::memory_order_acq_rel,
-                                     std::memory_order_acquire)) {
-      return;
-    }
-  }
+void Semaphore::ReleaseToWaiters(size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.fetch_add(Permits(n), std::memory_order_acq_rel);
   GrantLocked();

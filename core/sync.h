@@ -173,8 +173,31 @@ class Semaphore {
   explicit Semaphore(size_t initial = 0) : state_(uint64_t{initial} << 1) {}
   Semaphore(const Semaphore&) = delete;
 
-  bool TryAcquire(size_t n = 1);
-  void Release(size_t n = 1);
+  // Inline: a message goes through several of these (send turn, credits,
+  // buffer pool, receive queue, rpc admission) on each side; the call was
+  // a good part of their cost.
+  bool TryAcquire(size_t n = 1) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while ((s & kWaitersBit) == 0 && s >= Permits(n)) {
+      if (state_.compare_exchange_weak(s, s - Permits(n),
+                                       std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  void Release(size_t n = 1) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while ((s & kWaitersBit) == 0) {
+      if (state_.compare_exchange_weak(s, s + Permits(n),
+                                       std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        return;
+      }
+    }
+    ReleaseToWaiters(n);
+  }
   size_t available() const;
   size_t waiters() const;
 
@@ -202,6 +225,8 @@ class Semaphore {
   static constexpr uint64_t kWaitersBit = 1;
   static constexpr uint64_t Permits(uint64_t n) { return n << 1; }
   bool TryLocked(internal::SyncWaiter& w) { return TryAcquire(w.amount); }
+  // Release while waiters are queued: under mu_, in FIFO order.
+  void ReleaseToWaiters(size_t n);
   internal::IntrusiveList<internal::SyncWaiter>& WaitersFor(
       internal::SyncWaiter&) {
     return waiters_;
