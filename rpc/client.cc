@@ -245,7 +245,7 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   // heap-allocated shared state plus a callback registration per link.)
   std::stop_token ambient = co_await CurrentStopToken();
   const bool timed = options.deadline != absl::InfiniteFuture();
-  std::stop_token token;
+  std::stop_token own;  // the call's token when it is not `ambient`
   std::optional<std::stop_source> source;
   std::optional<StopLink> link1, link2;
   StopAtDeadline timer;
@@ -254,16 +254,14 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
     link1.emplace(ambient, *source);
     link2.emplace(options.cancel, *source);
     if (timed) timer.Arm(*source, SteadyAfter(options.deadline - absl::Now()));
-    token = source->get_token();
+    own = source->get_token();
   } else if (options.cancel.stop_possible()) {
-    token = std::move(options.cancel);
-  } else {
-    token = ambient;
+    own = std::move(options.cancel);
   }
   // The send and the wait run under the call's token (swapped in, and back
-  // out below, so `token` holds the caller's meanwhile).
-  const bool own_token = token != ambient;
-  if (own_token) co_await coverbs::internal::SwapStopToken{&token};
+  // out below, so `own` holds the caller's meanwhile).
+  const bool own_token = own.stop_possible();
+  if (own_token) co_await coverbs::internal::SwapStopToken{&own};
 
   Pending p(st.get(), id);
   st->pending.emplace(id, &p);
@@ -272,11 +270,12 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   std::span<const std::byte> parts[2] = {hdr, payload};
   absl::Status s = co_await st->conn->SendV(parts);
   if (s.ok()) co_await p;
-  if (own_token) co_await coverbs::internal::SwapStopToken{&token};
+  if (own_token) co_await coverbs::internal::SwapStopToken{&own};
   timer.Cancel();
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.
   p.Unregister();
+  const std::stop_token& token = own_token ? own : ambient;
   if (token.stop_requested()) {
     // Tell the server to stop the handler; its response, if already on the
     // way, is dropped by the reader (unknown id).
