@@ -24,12 +24,6 @@ Task<absl::Status> Event::WaitFor(absl::Duration timeout) {
   co_return co_await std::move(timed);
 }
 
-bool Event::is_set() const {
-  // A snapshot either way; the acquire pairs with Set's release, so what
-  // the setter wrote before Set() is visible to a caller that sees true.
-  return set_.load(std::memory_order_acquire);
-}
-
 void Semaphore::ReleaseToWaiters(size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.fetch_add(Permits(n), std::memory_order_acq_rel);

@@ -121,7 +121,10 @@ class Event {
 
   void Set();
   void Reset();
-  bool is_set() const;
+  // The acquire pairs with Set's release: what the setter wrote before
+  // Set() is visible to a caller that sees true. (Inline: the send and
+  // receive paths ask several times per message.)
+  bool is_set() const { return set_.load(std::memory_order_acquire); }
 
   class Awaiter : public internal::SyncAwaiterBase<Event> {
    public:
