@@ -131,11 +131,10 @@ void ConnectionImpl::Consume(RecvSlot* slot) {
 void ConnectionImpl::OnData(RecvSlot* slot, const WireHeader& h) {
   ++stats_.messages_received;
   stats_.bytes_received += h.length;
-  Incoming in;
-  in.ready = true;
-  in.msg.data_ = slot->data + kHeaderSize;
-  in.msg.size_ = h.length;
-  in.msg.owner_ = slot;
+  Message msg;
+  msg.data_ = slot->data + kHeaderSize;
+  msg.size_ = h.length;
+  msg.owner_ = slot;
   if (pool_ != nullptr) {
     slot->held = true;
     slot->conn_id = id_;
@@ -144,6 +143,16 @@ void ConnectionImpl::OnData(RecvSlot* slot, const WireHeader& h) {
   } else {
     ++ring_->held;
   }
+  if (incoming_.empty() && !peer_closed_) {
+    // Nothing ahead of it in arrival order (no rendezvous under way): it
+    // is deliverable now, without a stop in incoming_ and a Pump.
+    ready_.push_back(std::move(msg));
+    ready_count_.Release(1);
+    return;
+  }
+  Incoming in;
+  in.ready = true;
+  in.msg = std::move(msg);
   incoming_.push_back(std::move(in));
   Pump();
 }
