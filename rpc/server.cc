@@ -1,6 +1,7 @@
 #include "rpc/server.h"
 
 #include <future>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,7 @@ struct Server::Conn {
   uint32_t max_held = 1;
   size_t eager_max = 0;  // messages up to this size sit in a receive buffer
   DecodeLimits limits;
+  uint64_t response_limit = 0;  // largest response payload we may send
 
   Conn(size_t max_running, size_t max_outstanding)
       : running(max_running), admission(max_outstanding) {}
@@ -268,6 +270,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   c->limits.max_payload = std::min<uint64_t>(
       options_.max_request_size,
       conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
+  c->response_limit = std::min<uint64_t>(
+      options_.max_response_size,
+      conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   for (;;) {
     auto m = co_await conn.Recv();
@@ -342,23 +347,21 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       break;
     }
     stats_.request_bytes.fetch_add(f->payload.size());
-    Request req;
-    req.method = mit->second->name;
-    req.method_id = h.method_id;
-    req.call_id = h.call_id;
-    req.peer = &conn.peer();
-    if (m->size() <= c->eager_max && c->held->load() >= c->max_held) {
-      stats_.copied_requests.fetch_add(1);
-      req.payload = Payload::Copy(f->payload);
-    } else if (m->size() <= c->eager_max) {
+    // The request is built in place, its payload too (each Payload
+    // move-assignment cost a variant visit).
+    auto take_payload = [&]() -> Payload {
+      if (m->size() > c->eager_max) return Payload(*std::move(m), kHeaderSize);
+      if (c->held->load() >= c->max_held) {
+        stats_.copied_requests.fetch_add(1);
+        return Payload::Copy(f->payload);
+      }
       c->held->fetch_add(1);
-      req.payload = Payload(*std::move(m), kHeaderSize,
-                            std::allocate_shared<HeldLease>(
-                                internal::FramePoolAllocator<HeldLease>(),
-                                c->held));
-    } else {
-      req.payload = Payload(*std::move(m), kHeaderSize);
-    }
+      return Payload(*std::move(m), kHeaderSize,
+                     std::allocate_shared<HeldLease>(
+                         internal::FramePoolAllocator<HeldLease>(), c->held));
+    };
+    Request req{mit->second->name, h.method_id, h.call_id, &conn.peer(),
+                take_payload()};
     c->active.Add();
     // A plain pointer to the connection state: this loop holds it and
     // waits for every call (c->active) before it lets go.
@@ -386,10 +389,11 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id,
   absl::Status slot = co_await c->running.Acquire();
   bool stopped = !slot.ok();
   // Read only when the handler ran (a stopped call is not answered).
-  absl::StatusOr<Payload> result = Payload();
+  // Constructed from the handler's result, not assigned over a default.
+  std::optional<absl::StatusOr<Payload>> ran;
   if (!stopped) {
     stats_.calls.fetch_add(1);
-    result = co_await method->handler(std::move(req));
+    ran.emplace(co_await method->handler(std::move(req)));
     c->running.Release();
   }
   auto it = c->calls.find(call_id);
@@ -400,12 +404,9 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id,
     // The caller gave up (cancel frame) or the server is shutting down:
     // nobody waits for this response.
     stats_.cancelled_calls.fetch_add(1);
-  } else if (result.ok()) {
-    std::span<const std::byte> data = result->data();
-    uint64_t peer_max = c->conn->peer().handshake.max_message_size;
-    uint64_t limit = std::min<uint64_t>(
-        options_.max_response_size,
-        peer_max > kHeaderSize ? peer_max - kHeaderSize : 0);
+  } else if (ran->ok()) {
+    std::span<const std::byte> data = (*ran)->data();
+    const uint64_t limit = c->response_limit;
     if (data.size() > limit) {
       co_await SendError(
           c, call_id, method_id,
@@ -423,7 +424,7 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id,
     }
   } else {
     stats_.failed_calls.fetch_add(1);
-    co_await SendError(c, call_id, method_id, result.status());
+    co_await SendError(c, call_id, method_id, ran->status());
   }
   c->admission.Release();
   c->active.Done();
