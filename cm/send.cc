@@ -248,8 +248,8 @@ Task<absl::Status> ConnectionImpl::SendParts(
   // the caller promises for the Send).
   size_t total = 0;
   for (auto p : parts) total += p.size();
-  absl::Status s = CheckUp("send");
-  if (!s.ok()) return Ready(std::move(s));
+  // CheckUp's conditions, tested before it builds a Status (per message).
+  if (!status_.ok() || closing_ || !started_) return Ready(CheckUp("send"));
   if (total > peer_max_) {
     return Ready(absl::InvalidArgumentError(absl::StrFormat(
         "send on %s: message of %d bytes exceeds the maximum %d (local %d, "
