@@ -31,8 +31,13 @@ struct Server::Conn {
   // Small requests whose payload view pins one of the connection's receive
   // buffers. Kept under half of them so that cancels and new requests can
   // still arrive while handlers run; above, payloads are copied.
-  std::shared_ptr<std::atomic<uint32_t>> held =
-      std::make_shared<std::atomic<uint32_t>>(0);
+  // Each such payload's lease is a copy of `held_anchor` (no allocation,
+  // one atomic increment; the payload may outlive this state and be
+  // released on any thread), so the count is its use count less ours.
+  std::shared_ptr<char> held_anchor = std::make_shared<char>(0);
+  uint32_t held() const {
+    return static_cast<uint32_t>(held_anchor.use_count() - 1);
+  }
   uint32_t max_held = 1;
   size_t eager_max = 0;  // messages up to this size sit in a receive buffer
   DecodeLimits limits;
@@ -57,18 +62,6 @@ Task<T> Unstoppable(Task<T> t) {
   t.SetStopToken(std::stop_token{});
   co_return co_await std::move(t);
 }
-
-// Lease on a receive buffer held by a request payload.
-// Built in place and never copied: a copy (the implicit one a user-declared
-// destructor leaves) would give the count back twice.
-struct HeldLease {
-  explicit HeldLease(std::shared_ptr<std::atomic<uint32_t>> h)
-      : held(std::move(h)) {}
-  HeldLease(const HeldLease&) = delete;
-  HeldLease& operator=(const HeldLease&) = delete;
-  ~HeldLease() { held->fetch_sub(1); }
-  std::shared_ptr<std::atomic<uint32_t>> held;
-};
 
 }  // namespace
 
@@ -351,14 +344,11 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     // move-assignment cost a variant visit).
     auto take_payload = [&]() -> Payload {
       if (m->size() > c->eager_max) return Payload(*std::move(m), kHeaderSize);
-      if (c->held->load() >= c->max_held) {
+      if (c->held() >= c->max_held) {
         stats_.copied_requests.fetch_add(1);
         return Payload::Copy(f->payload);
       }
-      c->held->fetch_add(1);
-      return Payload(*std::move(m), kHeaderSize,
-                     std::allocate_shared<HeldLease>(
-                         internal::FramePoolAllocator<HeldLease>(), c->held));
+      return Payload(*std::move(m), kHeaderSize, c->held_anchor);
     };
     Request req{mit->second->name, h.method_id, h.call_id, &conn.peer(),
                 take_payload()};

@@ -458,6 +458,46 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
   }(this));
 }
 
+// Handlers holding more than half of the server's receive buffers: the
+// requests beyond that are copied; once those handlers ended (their leases
+// came back, on whatever count the server keeps), requests are views again.
+TEST_P(RpcTest, RequestsBeyondHalfTheReceiveBuffersAreCopied) {
+  StartServer();
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    const int half = static_cast<int>(
+        (*c)->connection().peer().handshake.credits / 2);
+    const int n = half + 4;
+    std::stop_source stop;
+    WaitGroup wg;
+    wg.Add(n);
+    for (int i = 0; i < n; ++i) {
+      Reactor::Current()->Spawn(
+          [](Client* c, WaitGroup* wg) -> Task<void> {
+            auto req = Pattern(64, 1);
+            (void)co_await c->Call("Slow", req);
+            wg->Done();
+          }(*c, &wg),
+          stop.get_token());
+    }
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(co_await Eventually([obs, n] { return obs->slow_started == n; }));
+    Server* server = t->server_.get();
+    EXPECT_GE(server->stats().copied_requests, 4u);
+    stop.request_stop();
+    CO_ASSERT_OK(co_await wg.Wait());
+    EXPECT_TRUE(co_await Eventually([obs, n] { return obs->slow_cancelled == n; }));
+    const uint64_t copied = server->stats().copied_requests;
+    auto req = Pattern(64, 2);
+    for (int i = 0; i < 10; ++i) {
+      auto r = co_await (*c)->Call("Echo", req);
+      CO_ASSERT_OK(r);
+    }
+    EXPECT_EQ(server->stats().copied_requests, copied);
+  }(this));
+}
+
 TEST_P(RpcTest, PerConnectionLimitIsBackPressureNotFailure) {
   ServerOptions so;
   so.max_concurrent_calls = 2;
