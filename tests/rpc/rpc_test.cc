@@ -498,6 +498,61 @@ TEST_P(RpcTest, RequestsBeyondHalfTheReceiveBuffersAreCopied) {
   }(this));
 }
 
+// The client keeps pending calls in a 256-slot ring by call id and the
+// ids that find their slot taken in a map: 600 calls in flight at once, and
+// a slow call lapped by 300 later ones (whose ids then collide with its
+// slot), go through both.
+TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
+  StartServer();
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    Client* client = *c;
+    int ok = 0;
+    WaitGroup wg;
+    constexpr int kEcho = 600;
+    wg.Add(kEcho);
+    for (int i = 0; i < kEcho; ++i) {
+      Reactor::Current()->Spawn([](Client* c, int i, int* ok,
+                                   WaitGroup* wg) -> Task<void> {
+        auto req = Pattern(64, i);
+        auto r = co_await c->Call("Echo", req);
+        if (r.ok() && Same(r->data(), req)) ++*ok;
+        wg->Done();
+      }(client, i, &ok, &wg));
+    }
+    CO_ASSERT_OK(co_await wg.Wait());
+    EXPECT_EQ(ok, kEcho);
+    EXPECT_EQ(client->in_flight(), 0u);
+
+    std::stop_source stop;
+    absl::StatusOr<Response> slow = absl::UnknownError("pending");
+    Event slow_done;
+    Reactor::Current()->Spawn(
+        [](Client* c, absl::StatusOr<Response>* out, Event* done) -> Task<void> {
+          *out = co_await c->Call("Slow", {});
+          done->Set();
+        }(client, &slow, &slow_done),
+        stop.get_token());
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
+    for (int i = 0; i < 300; ++i) {
+      auto req = Pattern(64, i);
+      auto r = co_await client->Call("Echo", req);
+      CO_ASSERT_OK(r);
+      EXPECT_TRUE(Same(r->data(), req)) << i;
+      EXPECT_EQ(client->in_flight(), 1u);
+    }
+    stop.request_stop();
+    CO_ASSERT_OK(co_await slow_done.Wait());
+    EXPECT_EQ(slow.status().code(), absl::StatusCode::kCancelled);
+    EXPECT_EQ(client->in_flight(), 0u);
+    // The cancel frame reached the server (and its send is over before the
+    // fixture tears the reactors down).
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_cancelled == 1; }));
+  }(this));
+}
+
 TEST_P(RpcTest, PerConnectionLimitIsBackPressureNotFailure) {
   ServerOptions so;
   so.max_concurrent_calls = 2;
