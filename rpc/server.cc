@@ -263,9 +263,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   c->limits.max_payload = std::min<uint64_t>(
       options_.max_request_size,
       conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
-  c->response_limit = std::min<uint64_t>(
-      options_.max_response_size,
-      conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
+  c->response_limit =
+      std::min<uint64_t>(options_.max_response_size,
+                         conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   for (;;) {
     auto m = co_await conn.Recv();
@@ -373,8 +373,8 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   (void)why;
 }
 
-Task<void> Server::RunCall(Conn* c, uint64_t call_id,
-                           const Method* method, Request req) {
+Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
+                           Request req) {
   uint32_t method_id = req.method_id;
   absl::Status slot = co_await c->running.Acquire();
   bool stopped = !slot.ok();
@@ -420,8 +420,8 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id,
   c->active.Done();
 }
 
-Task<void> Server::SendError(Conn* c, uint64_t call_id,
-                             uint32_t method_id, absl::Status status) {
+Task<void> Server::SendError(Conn* c, uint64_t call_id, uint32_t method_id,
+                             absl::Status status) {
   std::string frame = EncodeError(call_id, method_id, status);
   (void)co_await c->conn->Send(std::as_bytes(std::span(frame)));
 }

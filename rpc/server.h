@@ -154,10 +154,10 @@ class Server {
   Task<void> AcceptAndServe(std::shared_ptr<Conn> c,
                             std::unique_ptr<cm::ConnectRequest> req);
   Task<void> ServeLoop(std::shared_ptr<Conn> c);
-  Task<void> RunCall(Conn* c, uint64_t call_id,
-                     const Method* method, Request req);
-  Task<void> SendError(Conn* c, uint64_t call_id,
-                       uint32_t method_id, absl::Status status);
+  Task<void> RunCall(Conn* c, uint64_t call_id, const Method* method,
+                     Request req);
+  Task<void> SendError(Conn* c, uint64_t call_id, uint32_t method_id,
+                       absl::Status status);
   std::shared_ptr<Conn> NewConn(cm::Worker* worker);
   bool BeginShutdown();
   void ConnGone();

@@ -84,8 +84,8 @@ uint32_t BufferPool::Pop() {
   uint64_t old = head_.load(std::memory_order_acquire);
   for (;;) {
     uint32_t top = static_cast<uint32_t>(old) - 1;
-    uint64_t next = (((old >> 32) + 1) << 32) |
-                    next_[top].load(std::memory_order_relaxed);
+    uint64_t next =
+        (((old >> 32) + 1) << 32) | next_[top].load(std::memory_order_relaxed);
     if (head_.compare_exchange_weak(old, next, std::memory_order_acquire,
                                     std::memory_order_acquire)) {
       return top;

@@ -453,7 +453,8 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
     cancel2.request_stop();
     CO_ASSERT_OK(co_await done.Wait());
     EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled);
-    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_cancelled == 3; }));
+    EXPECT_TRUE(
+        co_await Eventually([obs] { return obs->slow_cancelled == 3; }));
     EXPECT_FALSE(ambient2.stop_requested());
   }(this));
 }
@@ -466,8 +467,8 @@ TEST_P(RpcTest, RequestsBeyondHalfTheReceiveBuffersAreCopied) {
   Run([](RpcTest* t) -> Task<void> {
     auto c = co_await t->NewClient();
     CO_ASSERT_OK(c);
-    const int half = static_cast<int>(
-        (*c)->connection().peer().handshake.credits / 2);
+    const int half =
+        static_cast<int>((*c)->connection().peer().handshake.credits / 2);
     const int n = half + 4;
     std::stop_source stop;
     WaitGroup wg;
@@ -482,12 +483,14 @@ TEST_P(RpcTest, RequestsBeyondHalfTheReceiveBuffersAreCopied) {
           stop.get_token());
     }
     Observed* obs = &t->obs_;
-    EXPECT_TRUE(co_await Eventually([obs, n] { return obs->slow_started == n; }));
+    EXPECT_TRUE(
+        co_await Eventually([obs, n] { return obs->slow_started == n; }));
     Server* server = t->server_.get();
     EXPECT_GE(server->stats().copied_requests, 4u);
     stop.request_stop();
     CO_ASSERT_OK(co_await wg.Wait());
-    EXPECT_TRUE(co_await Eventually([obs, n] { return obs->slow_cancelled == n; }));
+    EXPECT_TRUE(
+        co_await Eventually([obs, n] { return obs->slow_cancelled == n; }));
     const uint64_t copied = server->stats().copied_requests;
     auto req = Pattern(64, 2);
     for (int i = 0; i < 10; ++i) {
@@ -513,13 +516,13 @@ TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
     constexpr int kEcho = 600;
     wg.Add(kEcho);
     for (int i = 0; i < kEcho; ++i) {
-      Reactor::Current()->Spawn([](Client* c, int i, int* ok,
-                                   WaitGroup* wg) -> Task<void> {
-        auto req = Pattern(64, i);
-        auto r = co_await c->Call("Echo", req);
-        if (r.ok() && Same(r->data(), req)) ++*ok;
-        wg->Done();
-      }(client, i, &ok, &wg));
+      Reactor::Current()->Spawn(
+          [](Client* c, int i, int* ok, WaitGroup* wg) -> Task<void> {
+            auto req = Pattern(64, i);
+            auto r = co_await c->Call("Echo", req);
+            if (r.ok() && Same(r->data(), req)) ++*ok;
+            wg->Done();
+          }(client, i, &ok, &wg));
     }
     CO_ASSERT_OK(co_await wg.Wait());
     EXPECT_EQ(ok, kEcho);
@@ -529,7 +532,8 @@ TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
     absl::StatusOr<Response> slow = absl::UnknownError("pending");
     Event slow_done;
     Reactor::Current()->Spawn(
-        [](Client* c, absl::StatusOr<Response>* out, Event* done) -> Task<void> {
+        [](Client* c, absl::StatusOr<Response>* out,
+           Event* done) -> Task<void> {
           *out = co_await c->Call("Slow", {});
           done->Set();
         }(client, &slow, &slow_done),
@@ -549,7 +553,8 @@ TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
     EXPECT_EQ(client->in_flight(), 0u);
     // The cancel frame reached the server (and its send is over before the
     // fixture tears the reactors down).
-    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_cancelled == 1; }));
+    EXPECT_TRUE(
+        co_await Eventually([obs] { return obs->slow_cancelled == 1; }));
   }(this));
 }
 
