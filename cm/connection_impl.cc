@@ -363,9 +363,15 @@ Task<absl::Status> ConnectionImpl::Close() {
   // destroyed, which also ends the NIC's access, and the rest completed.
   qp_->SetError("closed").IgnoreError();
   absl::Time until = absl::Now() + t;
+  // Not cancellable: the buffers must outlive the NIC's use of them, and
+  // under a stopped token each Sleep returned Cancelled at once, so this
+  // loop spun the CPU until close_timeout.
+  std::stop_token ambient;  // empty: never stops
+  co_await ::coverbs::internal::SwapStopToken{&ambient};
   while (qp_->outstanding() > 0 && absl::Now() < until) {
     co_await ctx_.reactor().Sleep(absl::Milliseconds(1));
   }
+  co_await ::coverbs::internal::SwapStopToken{&ambient};
   if (qp_->outstanding() > 0) {
     COVERBS_CM_TRACE(name_, ": Close: ", qp_->outstanding(),
                      " WRs never flushed; abandoning the QP");

@@ -942,6 +942,32 @@ TEST_P(CmTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
   }(this, path));
 }
 
+// Close from a task whose stop token is already stopped (a cancelled
+// caller cleaning up) still drains and closes: the flush wait is not
+// cancellable (it once spun the CPU until close_timeout here).
+TEST_P(CmTest, CloseUnderAStoppedTokenStillClosesCleanly) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    auto hi = Pattern(64, 1);
+    CO_ASSERT_OK(co_await p->client->Send(hi));
+    std::stop_source stop;
+    stop.request_stop();
+    Task<absl::Status> close = p->client->Close();
+    close.SetStopToken(stop.get_token());
+    absl::Status s = co_await close;
+    (void)s;  // OK, or what the cancelled goodbye reported
+    EXPECT_FALSE(p->client->status().ok());
+    EXPECT_EQ(p->client->qp().outstanding(), 0u);
+    auto m = co_await p->server->Recv();
+    CO_ASSERT_OK(m);
+    EXPECT_TRUE(Same(m->data(), hi));
+    auto end = co_await p->server->Recv();
+    EXPECT_FALSE(end.ok());
+    co_await p->server->Close();
+  }(this));
+}
+
 // --- Shared receive queue (ConnectionOptions::use_srq).
 
 TEST_P(CmTest, SrqBothSidesMessagesOfEverySizeAndAMessageOutlivesIt) {
