@@ -99,6 +99,9 @@ struct ClientState {
   absl::Status status;  // OK while usable
   std::stop_source reader_stop;
   Event reader_done;
+  // SendCancel tasks still running: they hold the connection, so Close
+  // waits for them and its caller may then destroy the Worker.
+  WaitGroup cancels;
   DecodeLimits limits;
   size_t eager_max = 0;  // responses up to this size sit in a receive buffer
   bool closing = false;
@@ -178,9 +181,11 @@ Task<T> Unstoppable(Task<T> t) {
 Task<void> SendCancel(std::shared_ptr<ClientState> st, uint64_t id,
                       uint32_t method_id) {
   HeaderBytes hdr = CancelHeader(id, method_id);
-  if (!st->status.ok()) co_return;
-  ++st->stats.cancels_sent;
-  (void)co_await st->conn->Send(std::span<const std::byte>(hdr));
+  if (st->status.ok()) {
+    ++st->stats.cancels_sent;
+    (void)co_await st->conn->Send(std::span<const std::byte>(hdr));
+  }
+  st->cancels.Done();
 }
 
 Task<void> Reader(std::shared_ptr<ClientState> st) {
@@ -348,7 +353,10 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   if (token.stop_requested()) {
     // Tell the server to stop the handler; its response, if already on the
     // way, is dropped by the reader (unknown id).
-    if (st->status.ok()) st->reactor->Spawn(SendCancel(st, id, method_id));
+    if (st->status.ok()) {
+      st->cancels.Add();
+      st->reactor->Spawn(SendCancel(st, id, method_id));
+    }
     if (timer.fired()) {
       co_return absl::DeadlineExceededError(absl::StrCat(
           "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
@@ -377,7 +385,13 @@ Task<absl::Status> Client::Close() {
   (void)co_await Unstoppable([](Event* e) -> Task<absl::Status> {
     co_return co_await e->Wait();
   }(&st->reader_done));
-  co_return co_await Unstoppable(st->conn->Close());
+  absl::Status s = co_await Unstoppable(st->conn->Close());
+  // The connection is down now, so cancel frames still waiting for a credit
+  // or a completion end at once.
+  (void)co_await Unstoppable([](WaitGroup* wg) -> Task<absl::Status> {
+    co_return co_await wg->Wait();
+  }(&st->cancels));
+  co_return s;
 }
 
 }  // namespace coverbs::rpc

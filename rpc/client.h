@@ -69,7 +69,9 @@ class Client {
   static std::unique_ptr<Client> Create(std::unique_ptr<cm::Connection> conn,
                                         const ClientOptions& options);
   // Fails pending calls (CANCELLED) and drops the connection abruptly if
-  // Close() was not awaited.
+  // Close() was not awaited. Without Close, cancel frames of cancelled
+  // calls may still be sending in the background: the Worker must outlive
+  // them (await Close() before destroying the Worker).
   ~Client();
   Client(const Client&) = delete;
 
@@ -86,7 +88,8 @@ class Client {
                                       std::span<const std::byte> payload);
 
   // Fails pending calls with UNAVAILABLE, stops the receive loop and closes
-  // the connection gracefully. Idempotent.
+  // the connection gracefully; returns once nothing of the client runs on
+  // the Worker any more. Idempotent.
   Task<absl::Status> Close();
 
   // OK while usable; else why not.

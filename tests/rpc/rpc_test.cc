@@ -103,6 +103,14 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
   }
 
   void TearDown() override {
+    // As an application should: Close() before the Worker goes (a
+    // cancelled call's cancel frame may still be on its way).
+    if (reactor_) {
+      reactor_->BlockOn([](std::vector<std::unique_ptr<Client>>* cs)
+                            -> Task<void> {
+        for (auto& c : *cs) (void)co_await c->Close();
+      }(&clients_));
+    }
     clients_.clear();
     if (reactor_) reactor_->BlockOn(Settle(reactor_.get()));
     if (server_) server_->Shutdown();
@@ -555,6 +563,80 @@ TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
     // fixture tears the reactors down).
     EXPECT_TRUE(
         co_await Eventually([obs] { return obs->slow_cancelled == 1; }));
+  }(this));
+}
+
+// A client cancels 300 calls its server is running at once: every one
+// ends Cancelled on both sides and the connection stays usable.
+TEST_P(RpcTest, ManyRunningCallsCancelledAtOnceLeaveTheConnectionUp) {
+  ServerOptions so;
+  so.max_concurrent_calls = 1024;
+  StartServer(std::move(so));
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    Client* client = *c;
+    constexpr int kCalls = 300;
+    std::stop_source stop;
+    int cancelled = 0, other = 0;
+    std::string first_other;
+    WaitGroup wg;
+    wg.Add(kCalls);
+    for (int i = 0; i < kCalls; ++i) {
+      Reactor::Current()->Spawn(
+          [](Client* c, int* cancelled, int* other, std::string* first,
+             WaitGroup* wg) -> Task<void> {
+            auto r = co_await c->Call("Slow", {});
+            if (r.status().code() == absl::StatusCode::kCancelled) {
+              ++*cancelled;
+            } else {
+              if (*other == 0) *first = r.status().ToString();
+              ++*other;
+            }
+            wg->Done();
+          }(client, &cancelled, &other, &first_other, &wg),
+          stop.get_token());
+    }
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(
+        co_await Eventually([obs] { return obs->slow_started == kCalls; }));
+    stop.request_stop();
+    CO_ASSERT_OK(co_await wg.Wait());
+    EXPECT_EQ(cancelled, kCalls) << other << " others, first: " << first_other;
+    EXPECT_TRUE(co_await Eventually(
+        [obs] { return obs->slow_cancelled == kCalls; }));
+    auto req = Pattern(64, 5);
+    auto r = co_await client->Call("Echo", req);
+    CO_ASSERT_OK(r);
+    EXPECT_TRUE(Same(r->data(), req));
+  }(this));
+}
+
+// A test (or an application) that ends right after cancelling a call:
+// Close() waits for the cancel frame's send, so the Worker can go next.
+// (Before, the detached send outlived the CQ and crashed at teardown.)
+TEST_P(RpcTest, CloseRightAfterACancelWaitsForTheCancelFrame) {
+  StartServer();
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    Client* client = *c;
+    std::stop_source stop;
+    absl::StatusOr<Response> slow = absl::UnknownError("pending");
+    Event done;
+    Reactor::Current()->Spawn(
+        [](Client* c, absl::StatusOr<Response>* out, Event* done) -> Task<void> {
+          *out = co_await c->Call("Slow", {});
+          done->Set();
+        }(client, &slow, &done),
+        stop.get_token());
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
+    stop.request_stop();
+    CO_ASSERT_OK(co_await done.Wait());
+    EXPECT_EQ(slow.status().code(), absl::StatusCode::kCancelled);
+    EXPECT_EQ(client->stats().cancels_sent, 1u);
+    CO_ASSERT_OK(co_await client->Close());
   }(this));
 }
 
