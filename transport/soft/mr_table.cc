@@ -95,7 +95,7 @@ void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
     rkeys_.erase(mr->rkey);
   }
   mr->valid.store(false);
-  AccessEpoch::Synchronize();
+  AccessEpoch::SynchronizeWith(*mr);
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindLkey(uint32_t key) const {
@@ -108,9 +108,12 @@ const std::shared_ptr<MrEntry>* MrTable::Reader::FindRkey(uint32_t key) const {
   return it == t_.rkeys_.end() ? nullptr : &it->second;
 }
 
-void AccessEpoch::Enter() { g_epoch.fetch_add(1); }
+thread_local uint64_t AccessEpoch::window_ = 0;
+
+void AccessEpoch::Enter() { window_ = g_epoch.fetch_add(1) + 1; }
 
 void AccessEpoch::Exit() {
+  window_ = 0;
   g_epoch.fetch_add(1);
   if (g_sync_waiters.load() > 0) g_epoch.notify_all();
 }
@@ -123,23 +126,54 @@ void AccessEpoch::ExitShared() {
   }
 }
 
-void AccessEpoch::Synchronize() {
+namespace {
+
+// Waits while the exclusive window `e` (odd) is open.
+void WaitOut(uint64_t e) {
   // Seq-cst on both sides: either Exit() sees our waiter count and notifies,
   // or we see its increment and do not wait.
-  g_sync_waiters.fetch_add(1);
-  uint64_t e = g_epoch.load();
-  if (e & 1) {
-    uint64_t now = e;
-    while (now == e) {
-      g_epoch.wait(e);
-      now = g_epoch.load();
-    }
+  for (uint64_t now = g_epoch.load(); now == e; now = g_epoch.load()) {
+    g_epoch.wait(e);
   }
+}
+
+}  // namespace
+
+void AccessEpoch::Synchronize() {
+  g_sync_waiters.fetch_add(1);
+  if (uint64_t e = g_epoch.load(); e & 1) WaitOut(e);
   // Shared windows are counted, not numbered: once the count has been zero,
   // every window open at our call has closed. The same seq-cst pairing as
   // above (ExitShared notifies only when it drops the count to zero and sees
   // a waiter). Windows are one sendmsg long, so the count does not stay
   // above zero for long even with many posting threads.
+  for (int v = g_shared.load(); v != 0; v = g_shared.load()) g_shared.wait(v);
+  g_sync_waiters.fetch_sub(1);
+}
+
+void AccessEpoch::SynchronizeWith(const MrEntry& mr) {
+  // Why not Synchronize(): a landing grant is deregistered by the reactor
+  // that just took its message's completion, while the progress thread is
+  // usually still in (or back in) a window, serving other frames; waiting
+  // for that window put a futex sleep and wake-up on most medium messages.
+  // Only the window that last found the region valid matters. Usable()
+  // stamps before reading `valid`, and the caller cleared `valid` before
+  // we read the stamp (all seq-cst): if the progress thread saw the region
+  // valid in window w, we read w (or a later stamp, whose window opened
+  // after w closed). A window other than the open one has closed, and its
+  // closing increment (read here) orders its accesses before our return.
+  // A region pinned (MrPin) is used without stamps: while it is pinned,
+  // wait for the open window, after which every window reads `valid`
+  // false; once unpinned (read after our store), its uses are over. The
+  // shared windows are counted only; a thread that uses the region inside
+  // one is waited for as before.
+  // A pinned region may be in use in whatever window is open.
+  uint64_t w = mr.pins.load() != 0 ? g_epoch.load() : mr.seen_in.load();
+  bool in_window = (w & 1) != 0 && g_epoch.load() == w;
+  // Nothing to wait for (the common case): no waiter count to announce.
+  if (!in_window && g_shared.load() == 0) return;
+  g_sync_waiters.fetch_add(1);
+  if (in_window) WaitOut(w);
   for (int v = g_shared.load(); v != 0; v = g_shared.load()) g_shared.wait(v);
   g_sync_waiters.fetch_sub(1);
 }

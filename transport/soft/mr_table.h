@@ -26,13 +26,62 @@ struct MrEntry {
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   // Cleared by deregistration; the progress thread checks it inside its
-  // access window before each use of the memory.
+  // access window before each use of the memory (Usable()).
   std::atomic<bool> valid{true};
+  // The last progress-thread access window (AccessEpoch) that found the
+  // region valid, 0 for none: deregistration waits for that window only,
+  // not for whatever window happens to be open when it runs.
+  mutable std::atomic<uint64_t> seen_in{0};
+  // Progress-thread uses held across frames or windows (MrPin).
+  std::atomic<uint32_t> pins{0};
+
+  // What a thread inside an access window calls before touching the
+  // memory: stamps the progress thread's window, then reads `valid`.
+  inline bool Usable() const;
 
   bool Covers(uint64_t a, uint64_t len) const {
     uint64_t base = reinterpret_cast<uintptr_t>(addr);
     return a >= base && len <= length && a - base <= length - len;
   }
+};
+
+// A progress-thread hold on a region for a use that lasts beyond one check
+// (a WRITE target, from its header to its last byte), checked with
+// valid.load() alone while held. Why not stamps: the window that placed a
+// landing grant's WRITE is usually still open when the application
+// deregisters the grant (its message's completion came out of the same
+// window); a pin is gone as soon as the WRITE is placed, so that
+// deregistration does not wait.
+class MrPin {
+ public:
+  MrPin() = default;
+  ~MrPin() { Reset(); }
+  MrPin(const MrPin&) = delete;
+  MrPin& operator=(const MrPin&) = delete;
+
+  // Pins, then reads `valid` (both seq-cst, against Deregister's store
+  // then load); false, and nothing held, when it is no longer valid.
+  bool Pin(const std::shared_ptr<MrEntry>& e) {
+    Reset();
+    e->pins.fetch_add(1);
+    if (!e->valid.load()) {
+      e->pins.fetch_sub(1);
+      return false;
+    }
+    e_ = e;
+    return true;
+  }
+  // After the last access to the memory.
+  void Reset() {
+    if (e_ != nullptr) {
+      e_->pins.fetch_sub(1);
+      e_.reset();
+    }
+  }
+  const MrEntry* get() const { return e_.get(); }
+
+ private:
+  std::shared_ptr<MrEntry> e_;
 };
 
 class MrTable {
@@ -86,7 +135,24 @@ class AccessEpoch {
   static void EnterShared();
   static void ExitShared();
   static void Synchronize();
+  // The exclusive window the calling thread is in (odd), 0 outside one.
+  static uint64_t CurrentWindow() { return window_; }
+  // Returns once no window that may have found `mr` valid is open; `mr`
+  // must already be invalid.
+  static void SynchronizeWith(const MrEntry& mr);
+
+ private:
+  static thread_local uint64_t window_;
 };
+
+bool MrEntry::Usable() const {
+  // Stamp first, then read the flag (both seq-cst): a deregistration that
+  // clears the flag after we read it true then reads our stamp and waits.
+  // Posting threads in shared windows do not stamp (their windows are
+  // counted, and their stamps could overwrite the progress thread's).
+  if (uint64_t w = AccessEpoch::CurrentWindow(); w != 0) seen_in.store(w);
+  return valid.load();
+}
 
 }  // namespace coverbs::transport::soft
 

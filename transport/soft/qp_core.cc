@@ -124,7 +124,7 @@ void QpCore::Destroy() {
   closed_ = true;
   ResetTx();
   ctrl_.clear();
-  rx_mr_.reset();
+  rx_mr_.Reset();
   have_cur_recv_ = false;
   for (auto& mr : cur_recv_.mr) mr.reset();
 }
@@ -143,7 +143,7 @@ void QpCore::EnterError(Cause cause, const std::string& why) {
                         peer_qpn_, why)});
   }
   in_payload_ = false;
-  rx_mr_.reset();
+  rx_mr_.Reset();
   rnr_wait_ = false;
   FlushRq();
   if (fd_ < 0) {

@@ -155,6 +155,11 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
     char* p;
     size_t len;
     const MrEntry* mr;  // checked before each use; null for internal buffers
+    bool pinned = false;  // mr is held by an MrPin
+
+    bool Usable() const {
+      return mr == nullptr || (pinned ? mr->valid.load() : mr->Usable());
+    }
   };
   struct Seg {
     const char* p = nullptr;
@@ -191,7 +196,8 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void AdvanceDest(size_t n);
   bool TakeRecv();
   uint8_t CheckRemote(uint32_t rkey, uint64_t addr, uint64_t len, int access,
-                      std::shared_ptr<MrEntry>* out) const;
+                      std::shared_ptr<MrEntry>* out,
+                      MrPin* pin = nullptr) const;
   void RecvFailed(uint8_t recv_status, uint8_t nak_status,
                   const std::string& why);
   void RespondError(uint8_t nak_status, const std::string& why);
@@ -316,7 +322,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   size_t dest_off_ = 0;
   RecvWqe cur_recv_;
   bool have_cur_recv_ = false;
-  std::shared_ptr<MrEntry> rx_mr_;  // WRITE target being filled
+  MrPin rx_mr_;  // WRITE target being filled
   alignas(8) char atomic_buf_[wire::kAtomicReqSize];
   // Transmit batch.
   std::unique_ptr<char[]> arena_;

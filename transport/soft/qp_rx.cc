@@ -153,7 +153,7 @@ void QpCore::Place(const char* src, size_t n) {
   if (rx_kind_ == RxKind::kDiscard || rx_err_) return;
   while (n > 0 && dest_idx_ < ndest_) {
     Dest& d = dests_[dest_idx_];
-    if (d.mr != nullptr && !d.mr->valid.load()) {
+    if (!d.Usable()) {
       rx_err_ = true;
       return;
     }
@@ -176,7 +176,7 @@ int QpCore::DestIov(iovec* iov, int max, size_t* covered) {
     uint64_t left = pay_left_;
     for (uint32_t i = dest_idx_; i < ndest_ && n < max && left > 0; ++i) {
       Dest& d = dests_[i];
-      if (d.mr != nullptr && !d.mr->valid.load()) {
+      if (!d.Usable()) {
         rx_err_ = true;
         n = 0;
         break;

@@ -26,15 +26,20 @@ bool QpCore::TakeRecv() {
 }
 
 uint8_t QpCore::CheckRemote(uint32_t rkey, uint64_t addr, uint64_t len,
-                            int access, std::shared_ptr<MrEntry>* out) const {
+                            int access, std::shared_ptr<MrEntry>* out,
+                            MrPin* pin) const {
   MrTable::Reader table(MrTable::Get());
   const std::shared_ptr<MrEntry>* mr = table.FindRkey(rkey);
   if (mr == nullptr) return IBV_WC_REM_ACCESS_ERR;
   const MrEntry& e = **mr;
   if (e.pd_id != cfg_.pd_id || (e.access & access) == 0 ||
-      !e.Covers(addr, len) || !e.valid.load()) {
+      !e.Covers(addr, len)) {
     return IBV_WC_REM_ACCESS_ERR;
   }
+  if (pin != nullptr) {
+    return pin->Pin(*mr) ? IBV_WC_SUCCESS : IBV_WC_REM_ACCESS_ERR;
+  }
+  if (!e.Usable()) return IBV_WC_REM_ACCESS_ERR;
   *out = *mr;
   return IBV_WC_SUCCESS;
 }
@@ -268,8 +273,8 @@ void QpCore::StartRequest(const wire::Header& h) {
     case wire::kWriteImm: {
       ndest_ = 0;
       if (h.payload_len > 0) {
-        if (CheckRemote(h.rkey, h.addr, h.payload_len,
-                        IBV_ACCESS_REMOTE_WRITE, &rx_mr_) != IBV_WC_SUCCESS) {
+        if (CheckRemote(h.rkey, h.addr, h.payload_len, IBV_ACCESS_REMOTE_WRITE,
+                        nullptr, &rx_mr_) != IBV_WC_SUCCESS) {
           RespondError(IBV_WC_REM_ACCESS_ERR,
                        absl::StrFormat("RDMA WRITE denied: rkey 0x%x addr "
                                        "0x%x len %u",
@@ -278,10 +283,10 @@ void QpCore::StartRequest(const wire::Header& h) {
         }
         ndest_ = 1;
         dests_[0] = Dest{reinterpret_cast<char*>(h.addr), h.payload_len,
-                         rx_mr_.get()};
+                         rx_mr_.get(), true};
       }
       if (h.opcode == wire::kWriteImm && !TakeRecv()) {
-        rx_mr_.reset();
+        rx_mr_.Reset();
         rnr();
         return;
       }
@@ -339,7 +344,7 @@ void QpCore::FinishFrame() {
                  h.opcode == wire::kSendImm, h.imm);
       return;
     case RxKind::kWrite:
-      rx_mr_.reset();
+      rx_mr_.Reset();
       if (rx_err_) {
         RespondError(IBV_WC_REM_ACCESS_ERR,
                      "target region deregistered during an RDMA WRITE");
@@ -388,7 +393,7 @@ void QpCore::FinishFrame() {
       if (rx_kind_ == RxKind::kAtomicResp) {
         size_t j = (i % sq_cap_) * max_send_sge_;
         const ibv_sge& sge = sq_sge_[j];
-        if (sq_mr_[j] && sq_mr_[j]->valid.load()) {
+        if (sq_mr_[j] && sq_mr_[j]->Usable()) {
           uint64_t v = wire::GetLe64(atomic_buf_);
           std::memcpy(reinterpret_cast<void*>(sge.addr), &v, 8);
         } else {

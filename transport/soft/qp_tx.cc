@@ -149,8 +149,7 @@ bool QpCore::Build() {
   bool fault = false;
   while (!ctrl_.empty() && room(1)) {
     Ctrl& c = ctrl_.front();
-    if (inline_tx_ && c.op == wire::kReadResp && c.len > 0 &&
-        !c.mr->valid.load()) {
+    if (inline_tx_ && c.op == wire::kReadResp && c.len > 0 && !c.mr->Usable()) {
       need_engine_ = true;  // the fault is the progress thread's to handle
       return nsegs_ > 0;
     }
@@ -159,7 +158,7 @@ bool QpCore::Build() {
     h.seq = c.seq;
     h.syndrome = c.syndrome;
     if (c.op == wire::kReadResp) {
-      if (c.len > 0 && !c.mr->valid.load()) {
+      if (c.len > 0 && !c.mr->Usable()) {
         h.opcode = wire::kNak;
         h.syndrome = IBV_WC_REM_ACCESS_ERR;
         AppendHeader(h, nullptr, 0);
@@ -195,7 +194,7 @@ bool QpCore::Build() {
     size_t base = (seq % sq_cap_) * max_send_sge_;
     if (w.status == IBV_WC_SUCCESS && !w.inlined) {
       for (uint32_t k = 0; k < w.num_sge; ++k) {
-        if (sq_mr_[base + k] && !sq_mr_[base + k]->valid.load()) {
+        if (sq_mr_[base + k] && !sq_mr_[base + k]->Usable()) {
           w.status = IBV_WC_LOC_PROT_ERR;
         }
       }
@@ -289,7 +288,7 @@ bool QpCore::SendPending(size_t* budget) {
   size_t want = 0;
   for (size_t i = seg_idx_; i < nsegs_ && want < *budget; ++i) {
     const Seg& s = segs_[i];
-    if (s.mr && !s.mr->valid.load()) {
+    if (s.mr && !s.mr->Usable()) {
       if (inline_tx_) {
         need_engine_ = true;
         return false;

@@ -1,0 +1,191 @@
+// Deregistration against the progress thread's access windows, with a
+// thread of the test playing the progress thread (no QP exists in this
+// binary, so no real one runs): Deregister waits exactly for a window that
+// may be using the region, and no longer for one that cannot be.
+#include "transport/soft/mr_table.h"
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace coverbs::transport::soft {
+namespace {
+
+using std::chrono::milliseconds;
+
+// A fake progress thread that runs the steps it is given, one at a time,
+// on its own thread (windows are per thread).
+class FakeProgressThread {
+ public:
+  FakeProgressThread() : t_([this] { Loop(); }) {}
+  ~FakeProgressThread() {
+    Do([this] { stop_ = true; });
+    t_.join();
+  }
+
+  // Runs `fn` on the thread and returns once it has run.
+  template <typename F>
+  void Do(F fn) {
+    std::promise<void> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      step_ = [&] {
+        fn();
+        done.set_value();
+      };
+    }
+    cv_.notify_one();
+    done.get_future().wait();
+  }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      std::function<void()> step;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return step_ != nullptr; });
+        step = std::move(step_);
+        step_ = nullptr;
+      }
+      step();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> step_;
+  bool stop_ = false;
+  std::thread t_;
+};
+
+class MrTableTest : public ::testing::Test {
+ protected:
+  std::shared_ptr<MrEntry> Register() {
+    auto e = MrTable::Get().Register(
+        1, buf_.data(), buf_.size(),
+        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return *e;
+  }
+  // Deregisters on another thread; the future is ready once it returned.
+  std::future<void> DeregisterAsync(std::shared_ptr<MrEntry> e) {
+    return std::async(std::launch::async,
+                      [e] { MrTable::Get().Deregister(e); });
+  }
+
+  std::vector<char> buf_ = std::vector<char>(4096);
+  FakeProgressThread progress_;
+};
+
+// The landing-grant case: the progress thread is in a window (serving other
+// frames) that never used the region. Deregistration used to wait for it.
+TEST_F(MrTableTest, DoesNotWaitForAWindowThatNeverUsedTheRegion) {
+  auto e = Register();
+  progress_.Do([] { AccessEpoch::Enter(); });
+  auto done = DeregisterAsync(e);
+  EXPECT_EQ(done.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  progress_.Do([] { AccessEpoch::Exit(); });
+  done.wait();
+  EXPECT_FALSE(e->valid.load());
+}
+
+// A window that found the region valid may still be using its memory:
+// deregistration returns only after that window closed.
+TEST_F(MrTableTest, WaitsForTheWindowThatFoundTheRegionValid) {
+  auto e = Register();
+  std::atomic<bool> closed{false};
+  progress_.Do([&] {
+    AccessEpoch::Enter();
+    EXPECT_TRUE(e->Usable());
+  });
+  auto done = DeregisterAsync(e);
+  EXPECT_EQ(done.wait_for(milliseconds(200)), std::future_status::timeout);
+  progress_.Do([&] {
+    closed = true;
+    AccessEpoch::Exit();
+  });
+  done.wait();
+  EXPECT_TRUE(closed.load());
+  // The next window sees it invalid.
+  progress_.Do([&] {
+    AccessEpoch::Enter();
+    EXPECT_FALSE(e->Usable());
+    AccessEpoch::Exit();
+  });
+}
+
+// Found valid in an earlier window, and the progress thread is in another
+// one now: that earlier window has closed, nothing to wait for.
+TEST_F(MrTableTest, DoesNotWaitForALaterWindow) {
+  auto e = Register();
+  progress_.Do([&] {
+    AccessEpoch::Enter();
+    EXPECT_TRUE(e->Usable());
+    AccessEpoch::Exit();
+    AccessEpoch::Enter();
+  });
+  auto done = DeregisterAsync(e);
+  EXPECT_EQ(done.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  progress_.Do([] { AccessEpoch::Exit(); });
+  done.wait();
+}
+
+// A pinned region (a WRITE being placed) is used across windows without
+// stamps: deregistration waits for whatever window is open while the pin
+// is held, and not at all once it is released.
+TEST_F(MrTableTest, PinnedRegionWaitsForTheOpenWindowUntilUnpinned) {
+  auto e = Register();
+  MrPin pin;
+  progress_.Do([&] {
+    AccessEpoch::Enter();
+    EXPECT_TRUE(pin.Pin(e));
+    AccessEpoch::Exit();
+    AccessEpoch::Enter();  // the WRITE's payload goes on in a new window
+  });
+  auto done = DeregisterAsync(e);
+  EXPECT_EQ(done.wait_for(milliseconds(200)), std::future_status::timeout);
+  progress_.Do([&] {
+    EXPECT_FALSE(e->valid.load());  // what the placement checks next
+    AccessEpoch::Exit();
+  });
+  done.wait();
+  progress_.Do([&] { pin.Reset(); });
+
+  auto f = Register();
+  progress_.Do([&] {
+    AccessEpoch::Enter();
+    EXPECT_TRUE(pin.Pin(f));
+    pin.Reset();  // the WRITE is placed; the window goes on
+  });
+  auto done2 = DeregisterAsync(f);
+  EXPECT_EQ(done2.wait_for(std::chrono::seconds(10)),
+            std::future_status::ready);
+  progress_.Do([] { AccessEpoch::Exit(); });
+  done2.wait();
+  // A pin taken after deregistration fails.
+  progress_.Do([&] { EXPECT_FALSE(pin.Pin(f)); });
+}
+
+// Keys of a deregistered region are gone at once.
+TEST_F(MrTableTest, KeysLeaveTheTable) {
+  auto e = Register();
+  uint32_t lkey = e->lkey, rkey = e->rkey;
+  MrTable::Get().Deregister(e);
+  MrTable::Reader r(MrTable::Get());
+  EXPECT_EQ(r.FindLkey(lkey), nullptr);
+  EXPECT_EQ(r.FindRkey(rkey), nullptr);
+}
+
+}  // namespace
+}  // namespace coverbs::transport::soft
