@@ -2,6 +2,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <random>
@@ -35,6 +36,53 @@ std::atomic<int> g_shared{0};  // open shared (inline transmit) windows
 
 }  // namespace
 
+const std::shared_ptr<MrEntry>* MrKeyTable::Find(uint32_t key) const {
+  if (slots_.empty()) return nullptr;
+  for (size_t i = key & Mask();; i = (i + 1) & Mask()) {
+    const Slot& s = slots_[i];
+    if (s.key == key) return &s.e;
+    if (s.key == 0) return nullptr;
+  }
+}
+
+void MrKeyTable::Insert(uint32_t key, std::shared_ptr<MrEntry> e) {
+  if ((size_ + 1) * 2 > slots_.size()) {
+    std::vector<Slot> old = std::move(slots_);
+    slots_ = std::vector<Slot>(std::max<size_t>(64, old.size() * 2));
+    size_ = 0;
+    for (Slot& s : old) {
+      if (s.key != 0) Insert(s.key, std::move(s.e));
+    }
+  }
+  size_t i = key & Mask();
+  while (slots_[i].key != 0) i = (i + 1) & Mask();
+  slots_[i].key = key;
+  slots_[i].e = std::move(e);
+  ++size_;
+}
+
+void MrKeyTable::Erase(uint32_t key) {
+  if (slots_.empty()) return;
+  size_t i = key & Mask();
+  while (slots_[i].key != key) {
+    if (slots_[i].key == 0) return;
+    i = (i + 1) & Mask();
+  }
+  slots_[i] = Slot();
+  --size_;
+  // Backward shift: move up every later entry of the run whose home slot
+  // is not cyclically within (i, j], so that no lookup meets a hole before
+  // its key.
+  for (size_t j = (i + 1) & Mask(); slots_[j].key != 0; j = (j + 1) & Mask()) {
+    size_t home = slots_[j].key & Mask();
+    bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+    if (stays) continue;
+    slots_[i] = std::move(slots_[j]);
+    slots_[j] = Slot();
+    i = j;
+  }
+}
+
 MrTable& MrTable::Get() {
   static MrTable* table = new MrTable();
   return *table;
@@ -49,7 +97,9 @@ MrTable::MrTable() {
 uint32_t MrTable::NextKey() {
   for (;;) {
     uint32_t k = Mix(counter_++);
-    if (k != 0 && !lkeys_.contains(k) && !rkeys_.contains(k)) return k;
+    if (k != 0 && lkeys_.Find(k) == nullptr && rkeys_.Find(k) == nullptr) {
+      return k;
+    }
   }
 }
 
@@ -82,30 +132,28 @@ absl::StatusOr<std::shared_ptr<MrEntry>> MrTable::Register(uint64_t pd_id,
   mr->pd_id = pd_id;
   std::unique_lock<std::shared_mutex> lock(mu_);
   mr->lkey = NextKey();
-  lkeys_.emplace(mr->lkey, mr);
+  lkeys_.Insert(mr->lkey, mr);
   mr->rkey = NextKey();
-  rkeys_.emplace(mr->rkey, mr);
+  rkeys_.Insert(mr->rkey, mr);
   return mr;
 }
 
 void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
   {
     std::unique_lock<std::shared_mutex> lock(mu_);
-    lkeys_.erase(mr->lkey);
-    rkeys_.erase(mr->rkey);
+    lkeys_.Erase(mr->lkey);
+    rkeys_.Erase(mr->rkey);
   }
   mr->valid.store(false);
   AccessEpoch::SynchronizeWith(*mr);
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindLkey(uint32_t key) const {
-  auto it = t_.lkeys_.find(key);
-  return it == t_.lkeys_.end() ? nullptr : &it->second;
+  return t_.lkeys_.Find(key);
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindRkey(uint32_t key) const {
-  auto it = t_.rkeys_.find(key);
-  return it == t_.rkeys_.end() ? nullptr : &it->second;
+  return t_.rkeys_.Find(key);
 }
 
 thread_local uint64_t AccessEpoch::window_ = 0;

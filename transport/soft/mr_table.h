@@ -9,10 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
 #include <shared_mutex>
+#include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 
 namespace coverbs::transport::soft {
@@ -84,6 +83,31 @@ class MrPin {
   std::shared_ptr<MrEntry> e_;
 };
 
+// Key -> region, open addressing with linear probing (keys are already
+// scattered, so their low bits index it) and backward-shift erase (no
+// tombstones). Why not absl::flat_hash_map: a medium message registers and
+// deregisters one landing buffer (two inserts, two erases and four lookups
+// of fresh keys), which cost ~600 instructions through flat_hash_map here
+// and a few dozen this way. Not thread-safe (MrTable locks it).
+class MrKeyTable {
+ public:
+  const std::shared_ptr<MrEntry>* Find(uint32_t key) const;
+  // `key` != 0, not present.
+  void Insert(uint32_t key, std::shared_ptr<MrEntry> e);
+  void Erase(uint32_t key);
+  size_t size() const { return size_; }
+
+ private:
+  struct Slot {
+    uint32_t key = 0;  // 0: empty
+    std::shared_ptr<MrEntry> e;
+  };
+  size_t Mask() const { return slots_.size() - 1; }
+
+  std::vector<Slot> slots_;  // a power of two, at most half full
+  size_t size_ = 0;
+};
+
 class MrTable {
  public:
   static MrTable& Get();
@@ -116,9 +140,9 @@ class MrTable {
   // std (pthread) locks rather than absl::Mutex: the system's prebuilt absl is
   // not instrumented for ThreadSanitizer.
   std::shared_mutex mu_;
-  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> lkeys_;  // mu_
-  absl::flat_hash_map<uint32_t, std::shared_ptr<MrEntry>> rkeys_;  // mu_
-  uint32_t counter_;                                               // mu_
+  MrKeyTable lkeys_;  // mu_
+  MrKeyTable rkeys_;  // mu_
+  uint32_t counter_;  // mu_
 };
 
 // The data-path access windows. The progress thread calls Enter() before it

@@ -11,8 +11,10 @@
 #include <condition_variable>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -175,6 +177,45 @@ TEST_F(MrTableTest, PinnedRegionWaitsForTheOpenWindowUntilUnpinned) {
   done2.wait();
   // A pin taken after deregistration fails.
   progress_.Do([&] { EXPECT_FALSE(pin.Pin(f)); });
+}
+
+// The key table against a std::map, with keys crowded into few home
+// slots (low bits) so that probe runs wrap and erases shift entries back.
+TEST(MrKeyTableTest, AgreesWithAMap) {
+  MrKeyTable t;
+  std::map<uint32_t, std::shared_ptr<MrEntry>> ref;
+  std::mt19937 rng(7);
+  auto random_key = [&] {
+    uint32_t k = rng();
+    if (rng() % 2) k &= 0xff00003fu;  // collide in the low bits
+    return k == 0 ? 1u : k;
+  };
+  for (int round = 0; round < 20000; ++round) {
+    uint32_t k = random_key();
+    if (ref.count(k) == 0 && (ref.size() < 300 || rng() % 3 == 0)) {
+      auto e = std::make_shared<MrEntry>();
+      e->lkey = k;
+      t.Insert(k, e);
+      ref[k] = e;
+    } else if (!ref.empty()) {
+      auto it = ref.lower_bound(k);
+      if (it == ref.end()) it = ref.begin();
+      t.Erase(it->first);
+      ref.erase(it);
+    }
+    if (round % 97 == 0) {
+      ASSERT_EQ(t.size(), ref.size());
+      for (const auto& [key, e] : ref) {
+        const std::shared_ptr<MrEntry>* f = t.Find(key);
+        ASSERT_NE(f, nullptr) << key;
+        ASSERT_EQ(f->get(), e.get());
+      }
+      for (int i = 0; i < 50; ++i) {
+        uint32_t absent = random_key();
+        if (ref.count(absent) == 0) ASSERT_EQ(t.Find(absent), nullptr);
+      }
+    }
+  }
 }
 
 // Keys of a deregistered region are gone at once.
