@@ -92,12 +92,17 @@ MrTable::MrTable() {
   std::random_device rd;
   counter_ = rd() ^ static_cast<uint32_t>(
                         std::chrono::steady_clock::now().time_since_epoch().count());
+  first_counter_ = counter_;
 }
 
 uint32_t MrTable::NextKey() {
   for (;;) {
     uint32_t k = Mix(counter_++);
-    if (k != 0 && lkeys_.Find(k) == nullptr && rkeys_.Find(k) == nullptr) {
+    if (counter_ == first_counter_) wrapped_ = true;
+    // Mix is a bijection: until the counter wraps, no key can be in use
+    // (two lookups per key saved on every registration).
+    if (k != 0 && (!wrapped_ ||
+                   (lkeys_.Find(k) == nullptr && rkeys_.Find(k) == nullptr))) {
       return k;
     }
   }

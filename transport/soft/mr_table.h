@@ -143,6 +143,8 @@ class MrTable {
   MrKeyTable lkeys_;  // mu_
   MrKeyTable rkeys_;  // mu_
   uint32_t counter_;  // mu_
+  uint32_t first_counter_;  // counter_ at start
+  bool wrapped_ = false;    // mu_; counter_ came round to first_counter_
 };
 
 // The data-path access windows. The progress thread calls Enter() before it
@@ -174,7 +176,13 @@ bool MrEntry::Usable() const {
   // clears the flag after we read it true then reads our stamp and waits.
   // Posting threads in shared windows do not stamp (their windows are
   // counted, and their stamps could overwrite the progress thread's).
-  if (uint64_t w = AccessEpoch::CurrentWindow(); w != 0) seen_in.store(w);
+  // A region already stamped in this window (the receive ring, the send
+  // pool: every frame of a batch) skips the store, a full barrier: that
+  // earlier seq-cst store of ours already precedes the load below.
+  if (uint64_t w = AccessEpoch::CurrentWindow();
+      w != 0 && seen_in.load(std::memory_order_relaxed) != w) {
+    seen_in.store(w);
+  }
   return valid.load();
 }
 
