@@ -220,7 +220,6 @@ void AccessEpoch::SynchronizeWith(const MrEntry& mr) {
   // false; once unpinned (read after our store), its uses are over. The
   // shared windows are counted only; a thread that uses the region inside
   // one is waited for as before.
-  // A pinned region may be in use in whatever window is open.
   uint64_t w = mr.pins.load() != 0 ? g_epoch.load() : mr.seen_in.load();
   bool in_window = (w & 1) != 0 && g_epoch.load() == w;
   // Nothing to wait for (the common case): no waiter count to announce.
