@@ -39,13 +39,14 @@ constexpr size_t kLandingStagingBuffers = 16;
 Task<absl::Status> ConnectionImpl::SendBig(
     std::span<const std::span<const std::byte>> parts,
     const LocalBuffer* registered, uint64_t total) {
-  absl::StatusOr<transport::BufferPool::Buffer> buf;
+  std::optional<transport::BufferPool::Buffer> buf;
   // Turn, credit and header buffer without AcquireSend's three nested
   // coroutines when all are free, as SendSmall does: that path was ~600
   // instructions of the landed message's extra cost (callgrind).
   if (!TryAcquireSend(buf)) {
-    buf = co_await AcquireSend();
-    if (!buf.ok()) co_return buf.status();
+    auto got = co_await AcquireSend();
+    if (!got.ok()) co_return got.status();
+    buf = *std::move(got);
   }
   // Grants only ever arrive while we wait, so what is seen here holds.
   if (!grants_.empty() && total <= grants_.front().size) {
