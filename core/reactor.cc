@@ -158,10 +158,17 @@ Reactor::~Reactor() {
       p->Unlink();
       h.destroy();
     }
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_fns_.clear();  // may own Tasks posted by Spawn
-    remote_handles_.clear();
-    remote_cancels_.clear();
+    // Destroyed outside the lock: a posted function may own the last
+    // reference to something whose destructor posts again (rpc::Server
+    // hands connections to their reactors that way), and posted Tasks.
+    std::vector<absl::AnyInvocable<void()>> fns;
+    {
+      std::lock_guard<std::mutex> lock(remote_mu_);
+      fns.swap(remote_fns_);
+      remote_handles_.clear();
+      remote_cancels_.clear();
+    }
+    fns.clear();
   }
   if (ring_ok_) io_uring_queue_exit(&ring_);
   if (wake_fd_ >= 0) close(wake_fd_);

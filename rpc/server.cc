@@ -439,9 +439,13 @@ bool Server::BeginShutdown() {
   }
   accept_stop_.request_stop();
   for (auto& c : conns) {
-    // On the connection's reactor: the stop callbacks then run there.
+    // On the connection's reactor: the stop callbacks then run there. The
+    // reference moves into the posted function, so that this thread never
+    // holds the last one: ~Conn (the connection's close, its timers) must
+    // run on the connection's reactor, not here (a TSan race with that
+    // reactor's timer heap, seen in ConnectionsSpreadAcrossReactors).
     Reactor& r = c->ctx->reactor();
-    r.Post([c]() { c->stop.request_stop(); });
+    r.Post([c = std::move(c)]() { c->stop.request_stop(); });
   }
   return true;  // the loops keep their own references
 }
