@@ -43,8 +43,8 @@ TEST_P(CmTest, SrqBothSidesMessagesOfEverySizeAndAMessageOutlivesIt) {
         size_t fits = WorkerOptions().srq_buffer_size - 16;
         EXPECT_EQ(p->server->peer().handshake.recv_buffer_size, fits + 16);
         size_t thr = ConnectionOptions().rendezvous_threshold;
-        std::vector<size_t> sizes = {1,   fits,    fits + 1, 4096, thr - 1,
-                                     thr, thr + 1, 1u << 20};
+        std::vector<size_t> sizes = {1,       fits, fits + 1, 4096,
+                                     thr - 1, thr,  thr + 1,  1u << 20};
         uint8_t seed = 0;
         for (size_t n : sizes) {
           auto data = Pattern(n, ++seed);
@@ -269,9 +269,9 @@ TEST_P(CmTest, SrqServerTakesConcurrentMediumMessagesOnEveryConnection) {
             wg.Add(1 + kInFlight);
             t->reactor_->Spawn(echo(pairs[i].server.get(), kInFlight, &wg));
             for (int k = 0; k < kInFlight; ++k) {
-              t->reactor_->Spawn(send(
-                  pairs[i].client.get(),
-                  Pattern(kSize, static_cast<uint8_t>(i * 16 + k)), &wg));
+              t->reactor_->Spawn(
+                  send(pairs[i].client.get(),
+                       Pattern(kSize, static_cast<uint8_t>(i * 16 + k)), &wg));
             }
           }
           co_await wg.Wait();
@@ -280,16 +280,16 @@ TEST_P(CmTest, SrqServerTakesConcurrentMediumMessagesOnEveryConnection) {
             for (int k = 0; k < kInFlight; ++k) {
               auto m = co_await pairs[i].client->Recv();
               CO_ASSERT_OK(m);
-              EXPECT_TRUE(Same(m->data(), Pattern(kSize, static_cast<uint8_t>(
-                                                             i * 16 + k))))
+              EXPECT_TRUE(Same(
+                  m->data(), Pattern(kSize, static_cast<uint8_t>(i * 16 + k))))
                   << "connection " << i << ", message " << k;
             }
           }
         }
         for (Pair& p : pairs) {
-          EXPECT_GT(p.client->stats().rendezvous_sent +
-                        p.client->stats().landed_sent,
-                    0u);
+          EXPECT_GT(
+              p.client->stats().rendezvous_sent + p.client->stats().landed_sent,
+              0u);
           CO_ASSERT_OK(co_await p.client->Close());
           co_await p.server->Close();
         }
