@@ -192,23 +192,12 @@ void WaitOut(uint64_t e) {
 
 }  // namespace
 
-void AccessEpoch::Synchronize() {
-  g_sync_waiters.fetch_add(1);
-  if (uint64_t e = g_epoch.load(); e & 1) WaitOut(e);
-  // Shared windows are counted, not numbered: once the count has been zero,
-  // every window open at our call has closed. The same seq-cst pairing as
-  // above (ExitShared notifies only when it drops the count to zero and sees
-  // a waiter). Windows are one sendmsg long, so the count does not stay
-  // above zero for long even with many posting threads.
-  for (int v = g_shared.load(); v != 0; v = g_shared.load()) g_shared.wait(v);
-  g_sync_waiters.fetch_sub(1);
-}
-
 void AccessEpoch::SynchronizeWith(const MrEntry& mr) {
-  // Why not Synchronize(): a landing grant is deregistered by the reactor
-  // that just took its message's completion, while the progress thread is
-  // usually still in (or back in) a window, serving other frames; waiting
-  // for that window put a futex sleep and wake-up on most medium messages.
+  // Why not wait for whatever window is open: a landing grant is
+  // deregistered by the reactor that just took its message's completion,
+  // while the progress thread is usually still in (or back in) a window,
+  // serving other frames; waiting for that window put a futex sleep and
+  // wake-up on most medium messages.
   // Only the window that last found the region valid matters. Usable()
   // stamps before reading `valid`, and the caller cleared `valid` before
   // we read the stamp (all seq-cst): if the progress thread saw the region
@@ -226,6 +215,9 @@ void AccessEpoch::SynchronizeWith(const MrEntry& mr) {
   if (!in_window && g_shared.load() == 0) return;
   g_sync_waiters.fetch_add(1);
   if (in_window) WaitOut(w);
+  // Shared windows are counted, not numbered: once the count has been zero,
+  // every window open at our call has closed (ExitShared notifies only when
+  // it drops the count to zero and sees a waiter; seq-cst on both sides).
   for (int v = g_shared.load(); v != 0; v = g_shared.load()) g_shared.wait(v);
   g_sync_waiters.fetch_sub(1);
 }

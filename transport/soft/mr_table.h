@@ -152,15 +152,14 @@ class MrTable {
 // progress thread. Any other thread that transmits from registered memory
 // (a poster sending inline, qp_tx.cc) brackets that with EnterShared() /
 // ExitShared(): such windows are short (one sendmsg) and may overlap.
-// Synchronize() (any other thread) returns once every window of either kind
-// that was open when it was called has closed.
+// SynchronizeWith() (any other thread) returns once no window that may have
+// used a region is open.
 class AccessEpoch {
  public:
   static void Enter();
   static void Exit();
   static void EnterShared();
   static void ExitShared();
-  static void Synchronize();
   // The exclusive window the calling thread is in (odd), 0 outside one.
   static uint64_t CurrentWindow() { return window_; }
   // Returns once no window that may have found `mr` valid is open; `mr`
