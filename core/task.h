@@ -268,6 +268,14 @@ struct SwapStopToken {
   void await_resume() const noexcept {}
 };
 
+// Runs `t` with no stop token: teardown steps must finish even when the
+// coroutine doing them was asked to stop (they are bounded on their own).
+template <typename T>
+Task<T> Unstoppable(Task<T> t) {
+  t.SetStopToken(std::stop_token{});
+  co_return co_await std::move(t);
+}
+
 }  // namespace internal
 
 }  // namespace coverbs

@@ -111,6 +111,7 @@ struct ClientState {
 };
 }  // namespace internal
 using internal::ClientState;
+using ::coverbs::internal::Unstoppable;
 
 namespace {
 
@@ -171,12 +172,6 @@ struct Pending final : coverbs::internal::CancellableOp {
     Finish();
   }
 };
-
-template <typename T>
-Task<T> Unstoppable(Task<T> t) {
-  t.SetStopToken(std::stop_token{});
-  co_return co_await std::move(t);
-}
 
 Task<void> SendCancel(std::shared_ptr<ClientState> st, uint64_t id,
                       uint32_t method_id) {

@@ -53,17 +53,7 @@ struct Server::Conn {
   }
 };
 
-namespace {
-
-// Runs `t` with no stop token: teardown steps must finish even when the
-// coroutine doing them was asked to stop (they are bounded on their own).
-template <typename T>
-Task<T> Unstoppable(Task<T> t) {
-  t.SetStopToken(std::stop_token{});
-  co_return co_await std::move(t);
-}
-
-}  // namespace
+using ::coverbs::internal::Unstoppable;
 
 Server::Server() : Server(ServerOptions{}) {}
 Server::Server(ServerOptions options) : options_(std::move(options)) {
