@@ -31,10 +31,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   if (cq_entries == 0 && options.srq_depth > 0) {
     // The SRQ's receives all complete on this CQ: room for them on top of
     // the default, so that --srq_depth alone is a working configuration.
-    uint64_t want = uint64_t{4096} + options.srq_depth;
+    uint64_t want = uint64_t{options.srq_depth} +
+                    static_cast<uint64_t>(
+                        transport::CompletionQueue::DefaultEntries(device));
     uint32_t max = device.caps().max_cqe;
-    cq_entries = static_cast<int>(
-        std::min<uint64_t>(want, max != 0 ? max : want));
+    cq_entries =
+        static_cast<int>(std::min<uint64_t>(want, max != 0 ? max : want));
   }
   auto cq = transport::CompletionQueue::Create(device, reactor, cq_entries);
   if (!cq.ok()) return cq.status();

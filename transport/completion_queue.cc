@@ -12,13 +12,7 @@ namespace coverbs::transport {
 
 absl::StatusOr<std::unique_ptr<CompletionQueue>> CompletionQueue::Create(
     Device& device, Reactor& reactor, int cqe) {
-  if (cqe <= 0) {
-    // 4096 serves eight 256+256 QPs. (Larger CQs once made rdma_create_qp
-    // fail with EINVAL on siw: a mapping at offset 0x90000, which the verbs
-    // provider now reserves; see PlugSiwMmapOffset.)
-    cqe = static_cast<int>(std::min<uint32_t>(
-        device.caps().max_cqe ? device.caps().max_cqe : 4096, 4096));
-  }
+  if (cqe <= 0) cqe = DefaultEntries(device);
   auto cq = device.provider()->CreateCq(cqe);
   if (!cq.ok()) return cq.status();
   std::unique_ptr<CompletionQueue> q(
@@ -26,6 +20,14 @@ absl::StatusOr<std::unique_ptr<CompletionQueue>> CompletionQueue::Create(
   reactor.AddPoller(q.get());
   q->WatchChannel();
   return q;
+}
+
+int CompletionQueue::DefaultEntries(const Device& device) {
+  // 4096 serves eight 256+256 QPs. (Larger CQs once made rdma_create_qp
+  // fail with EINVAL on siw: a mapping at offset 0x90000, which the verbs
+  // provider now reserves; see PlugSiwMmapOffset.)
+  return static_cast<int>(std::min<uint32_t>(
+      device.caps().max_cqe ? device.caps().max_cqe : 4096, 4096));
 }
 
 CompletionQueue::CompletionQueue(Device* d, Reactor* r,

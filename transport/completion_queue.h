@@ -57,9 +57,11 @@ class CompletionQueue final : public Poller, private internal::IoCompletion {
   // destruction: ibv_destroy_cq waits for unacknowledged events).
   static constexpr unsigned kAckBatch = 64;
 
-  // `cqe` = 0 sizes the CQ from the device: min(max_cqe, 4096).
+  // `cqe` = 0 sizes the CQ from the device: DefaultEntries(device).
   static absl::StatusOr<std::unique_ptr<CompletionQueue>> Create(
       Device& device, Reactor& reactor, int cqe = 0);
+  // min(max_cqe, 4096).
+  static int DefaultEntries(const Device& device);
   ~CompletionQueue() override;
   CompletionQueue(const CompletionQueue&) = delete;
 
