@@ -71,6 +71,16 @@ absl::StatusOr<MemoryRegion> ProtectionDomain::Register(void* addr,
   return MemoryRegion(*std::move(mr));
 }
 
+absl::StatusOr<MemoryWindow> ProtectionDomain::AllocateWindow() {
+  if (!device_->caps().memory_windows) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "memory windows: %s has no type-2 windows", device_->Describe()));
+  }
+  auto mw = pd_->AllocMw();
+  if (!mw.ok()) return mw.status();
+  return MemoryWindow(*std::move(mw));
+}
+
 absl::StatusOr<std::unique_ptr<Device>> Device::Open(
     const ProviderOptions& options) {
   auto p = OpenProvider(options);

@@ -99,11 +99,33 @@ class MemoryRegion {
 
   // Revokes the region now (rkey and lkey become invalid).
   void Deregister() { mr_.reset(); }
+  const ProviderMr* provider() const { return mr_.get(); }
 
   static constexpr size_t npos = static_cast<size_t>(-1);
 
  private:
   std::unique_ptr<ProviderMr> mr_;
+};
+
+// A type-2 memory window (DeviceCaps::memory_windows): remote access to
+// part of a region for one transfer. SendBatch::AddBind binds it with a
+// fresh rkey; the peer's SEND_WITH_INV naming that rkey ends the bind, and
+// the window may be bound again. Move-only; destroying it invalidates it.
+// The region it is bound to must stay registered until then.
+class MemoryWindow {
+ public:
+  MemoryWindow() = default;
+  explicit MemoryWindow(std::unique_ptr<ProviderMw> mw) : mw_(std::move(mw)) {}
+  MemoryWindow(MemoryWindow&&) = default;
+  MemoryWindow& operator=(MemoryWindow&&) = default;
+
+  bool valid() const { return mw_ != nullptr; }
+  // The rkey of the last bind (prepared by AddBind).
+  uint32_t rkey() const { return mw_->rkey(); }
+  ProviderMw* provider() const { return mw_.get(); }
+
+ private:
+  std::unique_ptr<ProviderMw> mw_;
 };
 
 class Device;
@@ -127,6 +149,10 @@ class ProtectionDomain {
                                         Access access) {
     return Register(mem.data(), mem.size(), static_cast<int>(access));
   }
+
+  // An unbound type-2 memory window; Unimplemented on a device without
+  // them (DeviceCaps::memory_windows).
+  absl::StatusOr<MemoryWindow> AllocateWindow();
 
   Device* device() const { return device_; }
   ProviderPd* provider() const { return pd_.get(); }

@@ -79,6 +79,14 @@ struct DeviceCaps {
   // check it and returns the data: on siw, exposing a region lets the peer
   // read it whatever the access flags say (a provider defect).
   bool enforces_remote_read = true;
+  // Type-2 memory windows (ProviderPd::AllocMw, IBV_WR_BIND_MW posted on
+  // the send queue): a window over part of a region registered with
+  // IBV_ACCESS_MW_BIND gets a fresh rkey per bind, usable through one QP,
+  // and ends when the peer's SEND_WITH_INV names it. rxe has them; siw and
+  // the soft provider do not.
+  bool memory_windows = false;
+  // SEND_WITH_INV: a send that invalidates an rkey of the receiver.
+  bool send_with_invalidate = false;
 };
 
 // A registered memory region. The buffer is owned by the caller and must
@@ -91,6 +99,25 @@ class ProviderMr {
   virtual uint32_t lkey() const = 0;
   virtual uint32_t rkey() const = 0;
   virtual int access() const = 0;  // IBV_ACCESS_* flags as registered
+};
+
+// A type-2 memory window (DeviceCaps::memory_windows). Unbound when
+// allocated; bound by an IBV_WR_BIND_MW work request that PrepareBind fills
+// in, posted on a QP's send queue; the bind lasts until the peer's
+// SEND_WITH_INV (or a LOCAL_INV) names its rkey, after which it may be
+// bound again with the next rkey. Destroying it invalidates it.
+class ProviderMw {
+ public:
+  virtual ~ProviderMw() = default;  // deallocates
+  // The rkey of the last bind prepared (before any: the allocated one).
+  virtual uint32_t rkey() const = 0;
+  // Fills `wr` (opcode, window, region, range, access) to bind this window
+  // to [addr, addr+length) of `mr` -- a region of the same provider and PD
+  // registered with IBV_ACCESS_MW_BIND -- with the next rkey, and returns
+  // that rkey. The caller posts `wr`; the window's rkey is valid once the
+  // send queue executed it, i.e. for the peer from any later WR of the QP.
+  virtual uint32_t PrepareBind(ibv_send_wr& wr, const ProviderMr& mr,
+                               uint64_t addr, size_t length, int access) = 0;
 };
 
 // A completion queue with a completion channel.
@@ -173,6 +200,11 @@ class ProviderPd {
       void* addr, size_t length, int access) = 0;
   virtual absl::StatusOr<std::unique_ptr<ProviderSrq>> CreateSrq(
       uint32_t max_wr, uint32_t max_sge) = 0;
+  // A type-2 memory window; Unimplemented where caps().memory_windows is
+  // false.
+  virtual absl::StatusOr<std::unique_ptr<ProviderMw>> AllocMw() {
+    return absl::UnimplementedError("memory windows are not supported");
+  }
 };
 
 // Asynchronous device/QP events (ibv_get_async_event), already decoded.

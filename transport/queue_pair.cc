@@ -383,7 +383,7 @@ absl::Status QueuePair::PostNow(Op* op) {
     for (size_t i = 0; i < wrs.size(); ++i) {
       wrs[i].wr_id = id;
       wrs[i].sg_list = &sges[i];
-      wrs[i].num_sge = 1;
+      wrs[i].num_sge = wrs[i].opcode == IBV_WR_BIND_MW ? 0 : 1;
       wrs[i].send_flags = 0;
       wrs[i].next = i + 1 < wrs.size() ? &wrs[i + 1] : nullptr;
     }

@@ -68,6 +68,8 @@ struct WorkCompletion {
   uint32_t byte_len = 0;
   // Immediate data in host byte order (SEND_WITH_IMM, WRITE_WITH_IMM).
   std::optional<uint32_t> imm;
+  // A SEND_WITH_INV's rkey, which the receiving device invalidated.
+  std::optional<uint32_t> invalidated_rkey;
   uint32_t qp_num = 0;
 };
 
@@ -235,6 +237,15 @@ class SendBatch {
   void AddWrite(LocalBuffer buf, RemoteRegion remote,
                 std::optional<uint32_t> imm = std::nullopt);
   void AddRead(LocalBuffer buf, RemoteRegion remote);
+  // Binds `mw` to `range` of `mr` (registered with IBV_ACCESS_MW_BIND)
+  // with `access` (IBV_ACCESS_REMOTE_WRITE, ...) and returns the window's
+  // new rkey, valid from the next WR of the batch on: announce it in a
+  // later SEND. Needs DeviceCaps::memory_windows (else the batch fails).
+  uint32_t AddBind(MemoryWindow& mw, const MemoryRegion& mr,
+                   std::span<std::byte> range, int access);
+  // A SEND that invalidates `rkey` on the receiver (a window it bound for
+  // this transfer). Needs DeviceCaps::send_with_invalidate.
+  void AddSendWithInvalidate(LocalBuffer buf, uint32_t rkey);
   size_t size() const { return wrs_.size(); }
   void Clear() {
     wrs_.clear();

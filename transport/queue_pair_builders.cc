@@ -82,6 +82,24 @@ void SendBatch::AddRead(LocalBuffer buf, RemoteRegion remote) {
   sges_.push_back(buf.sge());
 }
 
+uint32_t SendBatch::AddBind(MemoryWindow& mw, const MemoryRegion& mr,
+                            std::span<std::byte> range, int access) {
+  ibv_send_wr wr{};
+  uint32_t rkey = mw.provider()->PrepareBind(
+      wr, *mr.provider(), reinterpret_cast<uint64_t>(range.data()),
+      range.size(), access);
+  wrs_.push_back(wr);
+  sges_.push_back({});  // keeps sges_[i] beside wrs_[i]; a bind has none
+  return rkey;
+}
+
+void SendBatch::AddSendWithInvalidate(LocalBuffer buf, uint32_t rkey) {
+  ibv_send_wr wr = BatchWr(IBV_WR_SEND_WITH_INV, {}, std::nullopt);
+  wr.invalidate_rkey = rkey;
+  wrs_.push_back(wr);
+  sges_.push_back(buf.sge());
+}
+
 // ---------------------------------------------------------------------------
 // QueuePair: operation builders
 
@@ -189,6 +207,12 @@ QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
     spec.error = absl::InvalidArgumentError("PostBatch: the batch is empty");
   }
   for (const ibv_send_wr& wr : batch.wrs_) {
+    if ((wr.opcode == IBV_WR_BIND_MW && !caps().memory_windows) ||
+        (wr.opcode == IBV_WR_SEND_WITH_INV && !caps().send_with_invalidate)) {
+      spec.error = absl::UnimplementedError(absl::StrFormat(
+          "batch on QP 0x%x: %s does not support %s", qp_num_,
+          caps().device_name, WrOpcodeName(wr.opcode)));
+    }
     bool imm = wr.opcode == IBV_WR_SEND_WITH_IMM ||
                wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
     if (imm && ((wr.opcode == IBV_WR_SEND_WITH_IMM && !caps().send_with_imm) ||

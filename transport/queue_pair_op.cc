@@ -156,6 +156,7 @@ absl::StatusOr<WorkCompletion> OpBase::await_resume() {
   out.opcode = wc_.opcode;
   out.byte_len = wc_.byte_len;
   if (wc_.wc_flags & IBV_WC_WITH_IMM) out.imm = ntohl(wc_.imm_data);
+  if (wc_.wc_flags & IBV_WC_WITH_INV) out.invalidated_rkey = wc_.invalidated_rkey;
   out.qp_num = wc_.qp_num;
   return out;
 }

@@ -1,6 +1,6 @@
 // The provider conformance fixture: a connected QP pair on the provider
 // named by the test parameter, and how each device reports errors. Shared
-// by the conformance suites.
+// by conformance_test.cc and memory_window_test.cc.
 #ifndef COVERBS_TESTS_TRANSPORT_CONFORMANCE_FIXTURE_H_
 #define COVERBS_TESTS_TRANSPORT_CONFORMANCE_FIXTURE_H_
 
@@ -91,6 +91,11 @@ struct ErrorModel {
   // an asynchronous QP event (soft: IBV_EVENT_QP_FATAL on both QPs). The IB
   // spec does not require it and rxe raises none.
   bool wc_fault_raises_async_event = false;
+  // Whether an access through a memory window is checked against the
+  // window's range. rxe (Linux 6.1) checks it against the range of the
+  // region the window is bound to (rxe_resp.c check_rkey: mr_check_range
+  // on mw->mr), so a window over part of a region reaches all of it.
+  bool window_range_enforced = true;
 };
 
 inline ErrorModel ModelFor(const DeviceCaps& c) {
@@ -102,6 +107,7 @@ inline ErrorModel ModelFor(const DeviceCaps& c) {
     m.has_rnr = false;
   }
   if (starts("rxe")) {  // rdma_rxe reports these generically
+    m.window_range_enforced = false;
     m.bad_lkey = IBV_WC_LOC_QP_OP_ERR;
     m.short_recv_responder = IBV_WC_LOC_QP_OP_ERR;
     m.short_recv_requester = IBV_WC_REM_OP_ERR;

@@ -409,8 +409,16 @@ absl::StatusOr<std::shared_ptr<Device>> OpenDevice(
   caps.write_with_imm = !iwarp;
   caps.send_with_imm = !iwarp;
   caps.active_side_sends_first = iwarp;
+  // Type 2A or 2B windows (rxe: 2B; siw: none).
+  caps.memory_windows =
+      (a.device_cap_flags &
+       (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
+  caps.send_with_invalidate = true;  // IB, RoCE and iWARP all have it
   caps.gid_index = -1;
   constexpr uint32_t kSiwVendorId = 0x626d74;  // "bmt": SoftiWARP
+  constexpr uint32_t kRxeVendorId = 0xffffff;  // RXE_VENDOR_ID
+  dev->wc_flags_kernel_encoded = dev->attr.vendor_id == kRxeVendorId &&
+                                 caps.transport == TransportKind::kRoCE;
   dev->posts_after_error_unflushed =
       iwarp && dev->attr.vendor_id == kSiwVendorId;
   // siw returns the data of an RDMA READ whatever the target region's

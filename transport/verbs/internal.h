@@ -77,6 +77,12 @@ struct Device {
   // only what was posted before). The provider completes them itself with
   // IBV_WC_WR_FLUSH_ERR once it knows the QP is in error.
   bool posts_after_error_unflushed = false;
+  // Soft-RoCE (rxe) hands user space the kernel's ib_wc_flags unconverted:
+  // a SEND_WITH_INV's receive carries IB_WC_WITH_INVALIDATE (1 << 2), which
+  // libibverbs calls IBV_WC_IP_CSUM_OK, instead of IBV_WC_WITH_INV (1 << 3)
+  // (seen on Linux 6.1, rdma-core 44; tests/transport/memory_window_test).
+  // Poll translates it.
+  bool wc_flags_kernel_encoded = false;
   // Poll notes failed completions (and GetAsyncEvent QP errors) in the QPs'
   // known state: needed when either of the above is set.
   bool TrackQpErrors() const {
@@ -132,11 +138,23 @@ class VerbsPd : public ProviderPd {
       void* addr, size_t length, int access) override;
   absl::StatusOr<std::unique_ptr<ProviderSrq>> CreateSrq(
       uint32_t max_wr, uint32_t max_sge) override;
+  absl::StatusOr<std::unique_ptr<ProviderMw>> AllocMw() override;
   const std::shared_ptr<PdCore>& core() const { return core_; }
 
  private:
   std::shared_ptr<PdCore> core_;
 };
+
+// Device::wc_flags_kernel_encoded: IB_WC_WITH_INVALIDATE -> IBV_WC_WITH_INV.
+inline void FixKernelWcFlags(ibv_wc* wc, int n) {
+  constexpr unsigned kKernelWithInvalidate = 1u << 2;
+  for (int i = 0; i < n; ++i) {
+    if (wc[i].wc_flags & kKernelWithInvalidate) {
+      wc[i].wc_flags =
+          (wc[i].wc_flags & ~kKernelWithInvalidate) | IBV_WC_WITH_INV;
+    }
+  }
+}
 
 class VerbsCq : public ProviderCq {
  public:
@@ -145,6 +163,9 @@ class VerbsCq : public ProviderCq {
   int capacity() const override { return core_->cq->cqe; }
   int Poll(int n, ibv_wc* wc) override {
     int got = ibv_poll_cq(core_->cq, n, wc);
+    if (got > 0 && core_->dev->wc_flags_kernel_encoded) {
+      FixKernelWcFlags(wc, got);
+    }
     if (got > 0 && core_->dev->TrackQpErrors()) {
       core_->dev->NoteCompletions(wc, got);
     }

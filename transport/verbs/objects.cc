@@ -174,6 +174,7 @@ class VerbsMr : public ProviderMr {
   uint32_t lkey() const override { return mr_->lkey; }
   uint32_t rkey() const override { return mr_->rkey; }
   int access() const override { return access_; }
+  ibv_mr* raw() const { return mr_; }
 
  private:
   std::shared_ptr<PdCore> pd_;
@@ -197,6 +198,60 @@ absl::StatusOr<std::unique_ptr<ProviderMr>> VerbsPd::RegisterMemory(
     return RegMrError(err, *core_->dev, addr, length, access);
   }
   return std::make_unique<VerbsMr>(core_, mr, access);
+}
+
+// ---------------------------------------------------------------- MW
+
+namespace {
+
+class VerbsMw : public ProviderMw {
+ public:
+  VerbsMw(std::shared_ptr<PdCore> pd, ibv_mw* mw)
+      : pd_(std::move(pd)), mw_(mw), rkey_(mw->rkey) {}
+  ~VerbsMw() override {
+    if (int ret = ibv_dealloc_mw(mw_); ret != 0) {
+      LogError("ibv_dealloc_mw (rkey 0x%x) on %s failed: %s", rkey_,
+               pd_->dev->name.c_str(), std::strerror(VerbsErrno(ret, errno)));
+    }
+  }
+  uint32_t rkey() const override { return rkey_; }
+  uint32_t PrepareBind(ibv_send_wr& wr, const ProviderMr& mr, uint64_t addr,
+                       size_t length, int access) override {
+    // rxe finds the window by the rkey in ibv_mw when the WR is posted and
+    // refuses the bind unless it is the window's current one (the last
+    // bind's, which has executed by now: a window is bound again only after
+    // the peer invalidated it); the new rkey keeps the index (upper 24
+    // bits) and moves the key byte on, so that an rkey a peer kept from an
+    // earlier bind no longer matches.
+    mw_->rkey = rkey_;
+    rkey_ = ibv_inc_rkey(rkey_);
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.bind_mw.mw = mw_;
+    wr.bind_mw.rkey = rkey_;
+    wr.bind_mw.bind_info.mr = static_cast<const VerbsMr&>(mr).raw();
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = length;
+    wr.bind_mw.bind_info.mw_access_flags = static_cast<unsigned>(access);
+    return rkey_;
+  }
+
+ private:
+  std::shared_ptr<PdCore> pd_;
+  ibv_mw* mw_;
+  uint32_t rkey_;  // of the last bind prepared
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProviderMw>> VerbsPd::AllocMw() {
+  errno = 0;
+  ibv_mw* mw = ibv_alloc_mw(core_->pd, IBV_MW_TYPE_2);
+  if (mw == nullptr) {
+    const int err = errno != 0 ? errno : EOPNOTSUPP;
+    return ErrnoStatus(err, absl::StrFormat("ibv_alloc_mw (type 2) on %s",
+                                            core_->dev->name));
+  }
+  return std::make_unique<VerbsMw>(core_, mw);
 }
 
 // ---------------------------------------------------------------- SRQ
