@@ -73,6 +73,12 @@ struct ConnectionOptions {
   // peer keeps in flight.
   uint32_t landing_buffers = 32;
   size_t landing_buffer_size = 128 * 1024;
+  // On a device with memory windows (rxe, most RDMA NICs; not siw or the
+  // soft provider), a grant is a window bound over memory that stays
+  // registered, and the peer's header invalidates it (SEND_WITH_INV): a
+  // medium message then costs no registration on either side. false: each
+  // grant is a registration of its own, as on other devices.
+  bool landing_windows = true;
   // Largest message accepted or sent (announced in the handshake).
   uint64_t max_message_size = 64ull << 20;
   // Send-queue depth: work requests posted at once (more wait, FIFO).

@@ -70,6 +70,8 @@ absl::Status ConnectionImpl::Init() {
         name_, kMaxGrantsHeld, options_.rendezvous_threshold,
         options_.landing_buffers, options_.landing_buffer_size));
   }
+  landing_windows_ =
+      options_.landing_windows && qp_->caps().memory_windows;
   if (options_.max_message_size == 0 ||
       options_.max_message_size > kMaxWireLength) {
     return absl::InvalidArgumentError(

@@ -178,7 +178,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Landing buffers (landing.cc). Receiver: a kLanded message, and keeping
   // options_.landing_buffers granted once the peer sends medium messages.
   // Sender: the grants a credit message carries.
-  bool OnLanded(RecvSlot* slot, const WireHeader& h);
+  bool OnLanded(RecvSlot* slot, const WireHeader& h, const ibv_wc& wc);
   void TopUpGrants();
   // The peer announced a rendezvous of `length` bytes: if it could have
   // landed, grant from now on.
@@ -188,8 +188,12 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool GrantsDue() const;
   bool TakeGrants(const RecvSlot* slot, const WireHeader& h);
   // Writes the next unsent grants (at most kMaxGrantsPerMessage) to `out`;
-  // returns the bytes written.
-  size_t WriteGrants(std::span<std::byte> out);
+  // returns the bytes written. A grant by memory window adds its bind to
+  // `binds`, which must be posted before the message carrying the grant.
+  size_t WriteGrants(std::span<std::byte> out, transport::SendBatch& binds);
+  // A buffer to grant: by memory window where we can (landing_windows_),
+  // else registered for the peer's WRITE (NewRendezvousBuffer).
+  LargeBuffer* NewLandingBuffer();
   // A registered buffer of landing_buffer_size to WRITE a copied payload
   // from (the Worker's pool, local access only).
   Task<absl::StatusOr<transport::BufferPool::Buffer>> GetLandingStaging();
@@ -333,6 +337,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t grants_unsent_ = 0;
   uint32_t landing_seq_ = 0;
   bool landing_on_ = false;
+  // Grants are memory windows over blocks that stay registered (the device
+  // has them and options_.landing_windows): a medium message then costs no
+  // registration. Windows the peer invalidated wait here to be bound again.
+  bool landing_windows_ = false;
+  std::vector<transport::MemoryWindow> free_windows_;
   // Sender side: the peer's grants, oldest first, and the sequence number
   // of grants_.front().
   std::deque<GrantPayload> grants_;

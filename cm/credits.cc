@@ -39,11 +39,18 @@ Task<absl::Status> ConnectionImpl::SendCreditFrame(
   // Landing grants not yet announced ride along.
   std::array<std::byte, kMaxGrantsPerMessage * kGrantSize> grants;
   size_t room = std::min(grants.size(), buf.size() - kHeaderSize);
-  size_t n = WriteGrants(std::span<std::byte>(grants.data(), room));
+  // Grants by memory window: their binds go first, in the same post.
+  transport::SendBatch binds;
+  size_t n = WriteGrants(std::span<std::byte>(grants.data(), room), binds);
   size_t len = WriteFrame(buf.data(), kCredit, 0, flags,
                           std::span<const std::byte>(grants.data(), n));
   ++credit_msgs_sent_;
   ++stats_.credit_messages_sent;
+  if (binds.size() > 0) {
+    binds.AddSend(buf.Local(len));
+    auto wc = co_await qp_->PostBatch(binds);
+    co_return wc.status();
+  }
   transport::SendOptions so;
   so.inline_data = len <= qp_->max_inline_data();
   auto wc = co_await qp_->Send(buf.Local(len), so);

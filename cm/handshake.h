@@ -41,7 +41,9 @@ inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 // 5: landing grants in credit messages and kLanded (cm/wire.h): medium
 //    messages go by RDMA WRITE into buffers granted ahead of time, without
 //    the RTS/CTS round trip.
-inline constexpr uint16_t kProtocolVersion = 5;
+// 6: a landing grant may be a memory window the kLanded header invalidates
+//    (SEND_WITH_INV; kGrantInvalidate in cm/wire.h).
+inline constexpr uint16_t kProtocolVersion = 6;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 

@@ -24,6 +24,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
+#include "cm/worker_shared.h"
+#include "core/log.h"
 
 namespace coverbs::cm::internal {
 namespace {
@@ -31,6 +33,11 @@ namespace {
 // Staging buffers per Worker: one is held only from the copy to the
 // WRITE's completion.
 constexpr size_t kLandingStagingBuffers = 16;
+// Grants by memory window per credit message (each is a bind WR posted with
+// it, and the batch must fit the send queue). 16: the default 32 grants go
+// in the kCreditReserve (2) credit messages that may be in flight, so a
+// sender holds them all before it sends anything.
+constexpr uint32_t kMaxBindsPerMessage = 16;
 
 }  // namespace
 
@@ -49,7 +56,7 @@ Task<absl::Status> ConnectionImpl::SendBig(
     buf = *std::move(got);
   }
   // Grants only ever arrive while we wait, so what is seen here holds.
-  if (!grants_.empty() && total <= grants_.front().size) {
+  if (!grants_.empty() && total <= GrantBytes(grants_.front())) {
     co_return co_await SendLanded(parts, registered, total, *buf);
   }
   co_return co_await SendLarge(parts, registered, *buf);
@@ -100,7 +107,13 @@ Task<absl::Status> ConnectionImpl::SendLanded(
   std::memcpy(buf.data(), &h, kHeaderSize);
   transport::SendBatch batch;
   batch.AddWrite(src, RemoteRegion{g.addr, total, g.rkey});
-  batch.AddSend(buf.Local(kHeaderSize));
+  if (g.size & kGrantInvalidate) {
+    // The header ends the window: nothing can write the buffer once the
+    // receiver sees it.
+    batch.AddSendWithInvalidate(buf.Local(kHeaderSize), g.rkey);
+  } else {
+    batch.AddSend(buf.Local(kHeaderSize));
+  }
   send_turn_.Release(1);
   auto wc = co_await qp_->PostBatch(batch);
   if (!wc.ok()) co_return OpError("send (landing write)", wc.status());
@@ -121,8 +134,14 @@ bool ConnectionImpl::TakeGrants(const RecvSlot* slot, const WireHeader& h) {
   for (uint32_t i = 0; i < n; ++i) {
     GrantPayload g;
     std::memcpy(&g, slot->data + kHeaderSize + i * kGrantSize, kGrantSize);
-    if (g.size == 0) {
+    if (GrantBytes(g) == 0) {
       Protocol("an empty landing grant");
+      return false;
+    }
+    if ((g.size & kGrantInvalidate) && !qp_->caps().send_with_invalidate) {
+      Protocol(absl::StrFormat(
+          "a landing grant needs SEND_WITH_INV, which %s cannot send",
+          qp_->caps().device_name));
       return false;
     }
     grants_.push_back(g);
@@ -152,8 +171,7 @@ void ConnectionImpl::TopUpGrants() {
   while (granted_.size() < options_.landing_buffers) {
     // Out of memory or registrations: medium messages take the
     // rendezvous, which refuses per message instead.
-    LargeBuffer* lb = NewRendezvousBuffer(
-        static_cast<uint32_t>(options_.landing_buffer_size));
+    LargeBuffer* lb = NewLandingBuffer();
     if (lb == nullptr) break;
     granted_.push_back(lb);
     ++grants_unsent_;
@@ -161,22 +179,79 @@ void ConnectionImpl::TopUpGrants() {
   MaybeSendCredits();
 }
 
-size_t ConnectionImpl::WriteGrants(std::span<std::byte> out) {
+LargeBuffer* ConnectionImpl::NewLandingBuffer() {
+  const auto size = static_cast<uint32_t>(options_.landing_buffer_size);
+  if (!landing_windows_) return NewRendezvousBuffer(size);
+  auto* lb = new LargeBuffer();
+  lb->size = size;
+  lb->cache = SharedOf(ctx_).landing_memory;
+  lb->keeps_registration = true;
+  LargeMemoryCache::Block block = lb->cache->Get(size);
+  lb->mem = block.mem;
+  lb->capacity = block.capacity;
+  lb->mr = std::move(block.mr);
+  if (lb->mem == nullptr) {
+    delete lb;
+    return nullptr;
+  }
+  if (!lb->mr.valid()) {
+    // Once per block: no remote access but through the windows.
+    auto mr = ctx_.pd().Register(lb->mem, lb->capacity,
+                                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+    if (!mr.ok()) {
+      delete lb;
+      return nullptr;
+    }
+    lb->mr = *std::move(mr);
+  }
+  if (!free_windows_.empty()) {
+    lb->window = std::move(free_windows_.back());
+    free_windows_.pop_back();
+    return lb;
+  }
+  auto window = ctx_.pd().AllocateWindow();
+  if (window.ok()) {
+    lb->window = *std::move(window);
+    return lb;
+  }
+  // Out of windows (max_mw): this and later grants are registrations.
+  COVERBS_LOG(kWarning, "cm",
+              "%s: no memory window for a landing grant (%s); granting "
+              "registrations instead",
+              name_, window.status().ToString());
+  landing_windows_ = false;
+  delete lb;
+  return NewRendezvousBuffer(size);
+}
+
+size_t ConnectionImpl::WriteGrants(std::span<std::byte> out,
+                                   transport::SendBatch& binds) {
   uint32_t n =
       std::min<uint32_t>({grants_unsent_, kMaxGrantsPerMessage,
                           static_cast<uint32_t>(out.size() / kGrantSize)});
   size_t first = granted_.size() - grants_unsent_;
+  // Binds take send-queue slots (the batch waits for all of them at once):
+  // a few per message keep it well inside the smallest send queue.
+  if (landing_windows_) {
+    n = std::min({n, kMaxBindsPerMessage, qp_->provider()->max_send_wr() - 1});
+  }
   for (uint32_t i = 0; i < n; ++i) {
-    const LargeBuffer* lb = granted_[first + i];
+    LargeBuffer* lb = granted_[first + i];
     GrantPayload g{reinterpret_cast<uint64_t>(lb->mem), lb->mr.rkey(),
                    static_cast<uint32_t>(lb->size)};
+    if (lb->window.valid()) {
+      g.rkey = binds.AddBind(lb->window, lb->mr, {lb->mem, lb->size},
+                             IBV_ACCESS_REMOTE_WRITE);
+      g.size |= kGrantInvalidate;
+    }
     std::memcpy(out.data() + i * kGrantSize, &g, kGrantSize);
   }
   grants_unsent_ -= n;
   return n * kGrantSize;
 }
 
-bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h) {
+bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h,
+                              const ibv_wc& wc) {
   // The header's receive is ours again at once; the data is in the grant.
   Consume(slot);
   size_t announced = granted_.size() - grants_unsent_;
@@ -193,10 +268,28 @@ bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h) {
                              h.length, lb->size));
     return false;
   }
+  if (lb->window.valid()) {
+    // The header must have ended the window (SEND_WITH_INV naming it), or
+    // the peer could still write the memory we are about to hand out.
+    if (!(wc.wc_flags & IBV_WC_WITH_INV) ||
+        wc.invalidated_rkey != lb->window.rkey()) {
+      Protocol(absl::StrFormat(
+          "landed message %d did not invalidate its grant's window (rkey "
+          "0x%x; completion flags 0x%x, invalidated 0x%x)",
+          h.cookie, lb->window.rkey(), wc.wc_flags,
+          (wc.wc_flags & IBV_WC_WITH_INV) ? wc.invalidated_rkey : 0));
+      return false;
+    }
+  }
   granted_.pop_front();
   ++landing_seq_;
-  // This grant's rkey ends with its message.
-  lb->mr.Deregister();
+  // This grant's rkey ends with its message: the peer invalidated the
+  // window, which is ours to bind again; a registration ends here.
+  if (lb->window.valid()) {
+    free_windows_.push_back(std::move(lb->window));
+  } else {
+    lb->mr.Deregister();
+  }
   lb->size = h.length;
   ++stats_.landed_received;
   ++stats_.messages_received;

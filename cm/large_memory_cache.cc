@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cstdlib>
+#include <utility>
 
 namespace coverbs::cm::internal {
 
@@ -10,7 +11,10 @@ LargeMemoryCache::LargeMemoryCache(size_t max_idle_bytes)
 
 LargeMemoryCache::~LargeMemoryCache() {
   for (auto& list : free_) {
-    for (std::byte* p : list) std::free(p);
+    for (Block& b : list) {
+      b.mr.Deregister();
+      std::free(b.mem);
+    }
   }
 }
 
@@ -25,14 +29,16 @@ LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (!free_[c].empty()) {
-      std::byte* p = free_[c].back();
+      Block b = std::move(free_[c].back());
       free_[c].pop_back();
       idle_bytes_ -= capacity;
-      return {p, capacity};
+      return b;
     }
   }
-  return {static_cast<std::byte*>(std::aligned_alloc(4096, capacity)),
-          capacity};
+  Block b;
+  b.mem = static_cast<std::byte*>(std::aligned_alloc(4096, capacity));
+  b.capacity = capacity;
+  return b;
 }
 
 void LargeMemoryCache::Put(Block b) {
@@ -40,11 +46,12 @@ void LargeMemoryCache::Put(Block b) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (idle_bytes_ + b.capacity <= max_idle_bytes_) {
-      free_[ClassOf(b.capacity)].push_back(b.mem);
       idle_bytes_ += b.capacity;
+      free_[ClassOf(b.capacity)].push_back(std::move(b));
       return;
     }
   }
+  b.mr.Deregister();
   std::free(b.mem);
 }
 

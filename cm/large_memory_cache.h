@@ -9,6 +9,11 @@
 // still registers its buffer and deregisters it when the transfer ends, so
 // an rkey stays valid for exactly one transfer.
 //
+// Landing grants on a device with memory windows use a second instance
+// whose blocks keep their registration (local write and MW_BIND only: no
+// remote access but through a window bound per message), so that a medium
+// message costs no registration at all.
+//
 // Thread-safe (a Message, which owns its buffer, may be destroyed on any
 // thread). Shared by the connections of a Worker; outlives them through
 // shared_ptr because a Message may outlive its Connection and Worker.
@@ -19,6 +24,8 @@
 #include <mutex>
 #include <vector>
 
+#include "transport/device.h"
+
 namespace coverbs::cm::internal {
 
 class LargeMemoryCache {
@@ -26,6 +33,9 @@ class LargeMemoryCache {
   struct Block {
     std::byte* mem = nullptr;  // nullptr: out of memory
     size_t capacity = 0;
+    // The block's registration, when its user keeps one with it (Put
+    // stores it; a block freed beyond the cap is deregistered first).
+    transport::MemoryRegion mr;
   };
 
   // Keeps at most max_idle_bytes of unused blocks; beyond that, Put frees.
@@ -48,7 +58,7 @@ class LargeMemoryCache {
   const size_t max_idle_bytes_;
   mutable std::mutex mu_;
   size_t idle_bytes_ = 0;
-  std::vector<std::byte*> free_[kClasses];
+  std::vector<Block> free_[kClasses];
 };
 
 }  // namespace coverbs::cm::internal

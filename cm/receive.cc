@@ -69,7 +69,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       ok = OnDone(h);
       break;
     case kLanded:
-      ok = OnLanded(slot, h);
+      ok = OnLanded(slot, h, wc);
       break;
     default:
       Protocol(absl::StrFormat("unknown message type %d", h.type));

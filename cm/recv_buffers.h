@@ -79,9 +79,15 @@ struct LargeBuffer final : MessageBuffer {
   MemoryRegion mr;
   std::shared_ptr<LargeMemoryCache> cache;
   size_t capacity = 0;
+  // A landing grant by memory window (landing.cc): `window` gives the peer
+  // access for one message, and `mr` is the block's lasting registration
+  // (local write and MW_BIND only), which goes back to `cache` with it.
+  transport::MemoryWindow window;
+  bool keeps_registration = false;
   ~LargeBuffer() {
-    mr.Deregister();
-    cache->Put({mem, capacity});
+    window = {};  // ends the peer's access before the memory is reused
+    if (!keeps_registration) mr.Deregister();
+    cache->Put({mem, capacity, std::move(mr)});
   }
   void Release() override { delete this; }
   // One per medium or large message received: from the frame pool's

@@ -64,8 +64,15 @@ static_assert(sizeof(CtsPayload) == kCtsSize);
 struct GrantPayload {
   uint64_t addr;
   uint32_t rkey;
-  uint32_t size;
+  uint32_t size;  // bytes, and kGrantInvalidate
 };
+// The grant's rkey is a memory window bound for this message: the kLanded
+// header must travel as SEND_WITH_INV naming it, which ends the window
+// before the receiver sees the header (protocol version 6).
+inline constexpr uint32_t kGrantInvalidate = 1u << 31;
+inline uint32_t GrantBytes(const GrantPayload& g) {
+  return g.size & ~kGrantInvalidate;
+}
 inline constexpr size_t kGrantSize = 16;
 static_assert(sizeof(GrantPayload) == kGrantSize);
 // Grants in one credit message, and grants a sender keeps unused: a peer

@@ -54,6 +54,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   ctx->shared_ = std::make_unique<internal::WorkerShared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
+  ctx->shared_->landing_memory =
+      std::make_shared<internal::LargeMemoryCache>(
+          options.rendezvous_cache_bytes);
   return ctx;
 }
 

@@ -32,6 +32,8 @@ struct WorkerShared {
   // Rendezvous receive memory (a Message holding some may outlive the
   // Worker, hence shared).
   std::shared_ptr<LargeMemoryCache> large_memory;
+  // Landing grants by memory window: blocks that keep their registration.
+  std::shared_ptr<LargeMemoryCache> landing_memory;
   // The shared receive queue and its buffers (ConnectionOptions::use_srq);
   // created by the first connection that asks for it.
   SrqPool* srq_pool = nullptr;

@@ -57,12 +57,14 @@ class LandingTest : public CmTest {
 
   // Sends one medium message (which takes the rendezvous and makes `to`
   // grant landing buffers), receives it, and waits (bounded) until `from`
-  // holds grants.
-  Task<absl::Status> WarmUp(Connection* from, Connection* to) {
+  // holds `grants` of them (grants by memory window come 16 per credit
+  // message).
+  Task<absl::Status> WarmUp(Connection* from, Connection* to,
+                            size_t grants = 1) {
     auto m = co_await Deliver(from, to, 20000, 0);
     if (!m.ok()) co_return m.status();
     absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (ConnectionTestPeer::Grants(*from).empty()) {
+    while (ConnectionTestPeer::Grants(*from).size() < grants) {
       if (absl::Now() > deadline) {
         co_return absl::DeadlineExceededError("no landing grants arrived");
       }
@@ -76,7 +78,9 @@ TEST_P(LandingTest, MediumMessagesLandWithoutRendezvousAfterTheFirst) {
   Run([](LandingTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
     CO_ASSERT_OK(p);
-    CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get()));
+    const size_t all = ConnectionOptions().landing_buffers;
+    CO_ASSERT_OK(
+        co_await t->WarmUp(p->client.get(), p->server.get(), all));
     EXPECT_EQ(p->server->stats().rendezvous_received, 1u);
     EXPECT_EQ(ConnectionTestPeer::Grants(*p->client).size(),
               ConnectionOptions().landing_buffers);
@@ -272,6 +276,52 @@ TEST_P(LandingTest, LandedHeaderNamingNoGrantFailsOnlyThatConnection) {
         << m.status();
     CO_ASSERT_OK(
         co_await Deliver(good->client.get(), good->server.get(), 30000, 3));
+    co_await Close(*bad);
+    co_await Close(*good);
+  }(this));
+}
+
+// A grant by memory window (rxe) ends only when the kLanded header
+// invalidates it. A peer that sends the header as a plain SEND -- keeping
+// the window open into memory about to be handed to the application -- is
+// a protocol violation: that connection fails, the window dies with it, and
+// the other connection is untouched.
+TEST_P(LandingTest, LandedHeaderThatKeepsItsWindowOpenFailsOnlyThatConnection) {
+  if (!device_->caps().memory_windows) {
+    GTEST_SKIP() << device_->caps().device_name
+                 << " has no memory windows: its grants are registrations, "
+                    "which the receiver ends itself";
+  }
+  Run([](LandingTest* t) -> Task<void> {
+    auto bad = co_await t->MakePair();
+    CO_ASSERT_OK(bad);
+    auto good = co_await t->MakePair();
+    CO_ASSERT_OK(good);
+    CO_ASSERT_OK(co_await t->WarmUp(bad->client.get(), bad->server.get()));
+    CO_ASSERT_OK(co_await t->WarmUp(good->client.get(), good->server.get()));
+    internal::GrantPayload g = ConnectionTestPeer::Grants(*bad->client).front();
+    EXPECT_TRUE(g.size & internal::kGrantInvalidate);
+    // The data into the window, then the header naming grant 0 -- without
+    // SEND_WITH_INV.
+    std::vector<std::byte> data = Pattern(20000, 0x21);
+    CO_ASSERT_OK(co_await bad->client->Write(
+        std::span<const std::byte>(data), {g.addr, data.size(), g.rkey}));
+    internal::WireHeader h{};
+    h.type = internal::kLanded;
+    h.length = 20000;
+    h.cookie = 0;
+    std::vector<std::byte> raw(internal::kHeaderSize);
+    std::memcpy(raw.data(), &h, internal::kHeaderSize);
+    CO_ASSERT_OK(co_await SendRaw(*bad->client, raw));
+    auto m = co_await bad->server->Recv();
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+    EXPECT_NE(std::string(m.status().message())
+                  .find("did not invalidate its grant's window"),
+              std::string::npos)
+        << m.status();
+    CO_ASSERT_OK(
+        co_await Deliver(good->client.get(), good->server.get(), 30000, 3));
+    EXPECT_EQ(good->server->stats().landed_received, 1u);
     co_await Close(*bad);
     co_await Close(*good);
   }(this));

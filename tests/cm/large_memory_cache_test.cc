@@ -1,8 +1,12 @@
 #include "cm/large_memory_cache.h"
 
 #include <cstdint>
+#include <utility>
+
+#include <infiniband/verbs.h>
 
 #include "gtest/gtest.h"
+#include "transport/device.h"
 
 namespace coverbs::cm::internal {
 namespace {
@@ -18,22 +22,24 @@ TEST(LargeMemoryCacheTest, RoundsUpToPowerOfTwoPageAligned) {
     EXPECT_EQ(b.capacity & (b.capacity - 1), 0u) << b.capacity;
     EXPECT_LT(b.capacity, 2 * size + 4096);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b.mem) % 4096, 0u);
-    cache.Put(b);
+    cache.Put(std::move(b));
   }
 }
 
 TEST(LargeMemoryCacheTest, ReusesTheSameClass) {
   LargeMemoryCache cache(1 << 20);
   LargeMemoryCache::Block a = cache.Get(40000);
-  cache.Put(a);
-  EXPECT_EQ(cache.idle_bytes(), a.capacity);
+  std::byte* const a_mem = a.mem;
+  const size_t a_capacity = a.capacity;
+  cache.Put(std::move(a));
+  EXPECT_EQ(cache.idle_bytes(), a_capacity);
   LargeMemoryCache::Block b = cache.Get(33000);  // same 64 KiB class
-  EXPECT_EQ(b.mem, a.mem);
+  EXPECT_EQ(b.mem, a_mem);
   EXPECT_EQ(cache.idle_bytes(), 0u);
   LargeMemoryCache::Block c = cache.Get(33000);  // none idle: a new one
   EXPECT_NE(c.mem, b.mem);
-  cache.Put(b);
-  cache.Put(c);
+  cache.Put(std::move(b));
+  cache.Put(std::move(c));
 }
 
 TEST(LargeMemoryCacheTest, KeepsAtMostTheIdleLimit) {
@@ -41,14 +47,43 @@ TEST(LargeMemoryCacheTest, KeepsAtMostTheIdleLimit) {
   LargeMemoryCache::Block a = cache.Get(65536);
   LargeMemoryCache::Block b = cache.Get(65536);
   LargeMemoryCache::Block c = cache.Get(65536);
-  cache.Put(a);
-  cache.Put(b);
-  cache.Put(c);  // over the limit: freed
+  cache.Put(std::move(a));
+  cache.Put(std::move(b));
+  cache.Put(std::move(c));  // over the limit: freed
   EXPECT_EQ(cache.idle_bytes(), 128u * 1024);
   LargeMemoryCache none(0);
   LargeMemoryCache::Block d = none.Get(8192);
-  none.Put(d);
+  none.Put(std::move(d));
   EXPECT_EQ(none.idle_bytes(), 0u);
+}
+
+// Landing memory on a device with memory windows: a block comes back with
+// the registration its user kept, and one freed beyond the cap is
+// deregistered first (a registration must never outlive its memory).
+TEST(LargeMemoryCacheTest, KeepsARegistrationWithItsBlock) {
+  auto device = transport::Device::Open({.kind = transport::ProviderKind::kSoft});
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto pd = (*device)->AllocPd();
+  ASSERT_TRUE(pd.ok()) << pd.status();
+  LargeMemoryCache cache(64 * 1024);
+  LargeMemoryCache::Block a = cache.Get(65536);
+  auto mr = (*pd)->Register(a.mem, a.capacity, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  a.mr = *std::move(mr);
+  const uint32_t lkey = a.mr.lkey();
+  LargeMemoryCache::Block b = cache.Get(65536);
+  mr = (*pd)->Register(b.mem, b.capacity, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  b.mr = *std::move(mr);
+  cache.Put(std::move(a));
+  cache.Put(std::move(b));  // over the cap: freed (its registration with it)
+  LargeMemoryCache::Block again = cache.Get(65536);
+  ASSERT_TRUE(again.mr.valid());
+  EXPECT_EQ(again.mr.lkey(), lkey);
+  LargeMemoryCache::Block fresh = cache.Get(65536);  // none idle
+  EXPECT_FALSE(fresh.mr.valid());
+  cache.Put(std::move(again));
+  cache.Put(std::move(fresh));
 }
 
 }  // namespace
