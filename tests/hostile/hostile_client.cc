@@ -48,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "cm/handshake.h"
 #include "tests/hostile/hostile.h"
 
 namespace hostile {
@@ -243,8 +244,10 @@ int RunTcp(const Options& o) {
 }
 
 std::string ValidHandshake() {
-  // cm/handshake.h: magic "CVB1", version 5 (kProtocolVersion), app_data_len 0, caps 0,
-  // credits 4, recv_buffer_size 8208, max_credits 4, max_message_size 1 MiB.
+  // cm/handshake.h: magic "CVB1", the current kProtocolVersion (a stale
+  // one is refused before the peer could stay silent), app_data_len 0,
+  // caps 0, credits 4, recv_buffer_size 8208, max_credits 4,
+  // max_message_size 1 MiB.
   std::string h(32, '\0');
   auto put32 = [&h](size_t off, uint32_t v) {
     std::memcpy(h.data() + off, &v, 4);
@@ -253,7 +256,7 @@ std::string ValidHandshake() {
     std::memcpy(h.data() + off, &v, 2);
   };
   put32(0, 0x31425643);
-  put16(4, 5);
+  put16(4, coverbs::cm::kProtocolVersion);
   put16(6, 0);
   put32(8, 0);
   put32(12, 4);
