@@ -25,6 +25,10 @@ ABSL_FLAG(int, landing_buffers, 32,
           "them: those skip the rendezvous round trip. 0: always the "
           "rendezvous. Costs up to landing_buffers x landing_buffer_size "
           "of registered memory per connection receiving medium messages.");
+ABSL_FLAG(bool, landing_windows, true,
+          "On devices with memory windows (rxe), grant landing buffers as "
+          "windows over memory that stays registered (no registration per "
+          "message); false: a registration per grant, as on other devices.");
 ABSL_FLAG(int64_t, landing_buffer_size, 128 * 1024,
           "Largest message that may land in a granted buffer (bytes).");
 
@@ -161,6 +165,7 @@ int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag) {
 void ApplyLandingFlags(cm::ConnectionOptions& o) {
   o.landing_buffers =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));
+  o.landing_windows = absl::GetFlag(FLAGS_landing_windows);
   o.landing_buffer_size = static_cast<size_t>(
       std::max<int64_t>(0, absl::GetFlag(FLAGS_landing_buffer_size)));
 }
