@@ -54,9 +54,13 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   ctx->shared_ = std::make_unique<internal::WorkerShared>();
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
-  ctx->shared_->landing_memory =
-      std::make_shared<internal::LargeMemoryCache>(
-          options.rendezvous_cache_bytes);
+  // Idle landing blocks stay registered, i.e. pinned and counted against
+  // RLIMIT_MEMLOCK: keep only what the grants of a few busy connections
+  // cycle through (a block is idle between its Message's end and its next
+  // grant), not the rendezvous cache's 64 MiB.
+  constexpr size_t kMaxIdleLandingBytes = 8 << 20;
+  ctx->shared_->landing_memory = std::make_shared<internal::LargeMemoryCache>(
+      std::min(options.rendezvous_cache_bytes, kMaxIdleLandingBytes));
   return ctx;
 }
 
