@@ -24,12 +24,20 @@ namespace {
 template <typename ReceiveQueue>
 absl::Status PostHandlerRecv(ReceiveQueue& queue, RecvHandler* h,
                              std::span<const LocalBuffer> bufs) {
-  absl::InlinedVector<ibv_sge, internal_qp::kInlineSges> sges;
-  for (const LocalBuffer& b : bufs) sges.push_back(b.sge());
-  ibv_recv_wr wr{};
+  // Once per received message: SGEs on the stack, no vector.
+  ibv_sge inline_sges[internal_qp::kInlineSges];
+  std::unique_ptr<ibv_sge[]> heap;
+  ibv_sge* sges = inline_sges;
+  if (bufs.size() > internal_qp::kInlineSges) {
+    heap = std::make_unique<ibv_sge[]>(bufs.size());
+    sges = heap.get();
+  }
+  for (size_t i = 0; i < bufs.size(); ++i) sges[i] = bufs[i].sge();
+  ibv_recv_wr wr;
   wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
-  wr.sg_list = sges.data();
-  wr.num_sge = static_cast<int>(sges.size());
+  wr.next = nullptr;
+  wr.sg_list = sges;
+  wr.num_sge = static_cast<int>(bufs.size());
   ibv_recv_wr* bad = nullptr;
   return queue.PostRecv(&wr, &bad);
 }
@@ -371,8 +379,6 @@ absl::Status QueuePair::PostNow(Op* op) {
   free -= op->slots_;
   absl::Status s;
   if (op->is_recv_) {
-    op->rwr_.sg_list = op->sges_.data();
-    op->rwr_.num_sge = static_cast<int>(op->sges_.size());
     ibv_recv_wr* bad = nullptr;
     s = qp_->PostRecv(&op->rwr_, &bad);
   } else if (op->batch_ != nullptr) {
@@ -404,8 +410,6 @@ absl::Status QueuePair::PostNow(Op* op) {
       return s;
     }
   } else {
-    op->swr_.sg_list = op->sges_.data();
-    op->swr_.num_sge = static_cast<int>(op->sges_.size());
     ibv_send_wr* bad = nullptr;
     s = qp_->PostSend(&op->swr_, &bad);
   }
@@ -432,7 +436,10 @@ void QueuePair::Release(Op* op) {
         WcStatusName(w.status))));
   }
   OnOpDone();
-  if (!in_error_) PumpWaiters();
+  // Nearly always nobody waits for a slot: no call.
+  if (!in_error_ && !(send_waiters_.empty() && recv_waiters_.empty())) {
+    PumpWaiters();
+  }
 }
 
 void QueuePair::PumpWaiters() {

@@ -96,6 +96,12 @@ struct SendOptions {
   bool inline_data = false;
   std::optional<uint32_t> imm;  // host byte order
   bool fence = false;
+  // Ignore the awaiting coroutine's stop token: once posted, the send waits
+  // for its completion, which the transport bounds (the peer's ack, else
+  // the retry timer or a flush). For senders whose cancellation must not
+  // put the QP in the error state (a connection's messages); it also saves
+  // a stop-callback registration per send.
+  bool ignore_stop = false;
 };
 
 class QueuePair;
@@ -117,6 +123,7 @@ struct OpSpec {
   std::optional<uint32_t> imm;
   unsigned send_flags = 0;
   SendBatch* batch = nullptr;
+  bool cancellable = true;  // SendOptions::ignore_stop
   absl::Status error;  // set when the request is invalid: fails unposted
 };
 
@@ -132,6 +139,8 @@ class OpBase : public WorkRequest,
   bool await_ready() const noexcept { return false; }
   template <typename P>
   bool await_suspend(std::coroutine_handle<P> h) {
+    // Not copying a token nobody watches saves its atomic count updates.
+    if (!cancellable_) return Suspend(h, std::stop_token());
     return Suspend(h, coverbs::internal::StopTokenOf(h));
   }
   absl::StatusOr<WorkCompletion> await_resume();
@@ -152,15 +161,19 @@ class OpBase : public WorkRequest,
   QueuePair* qp_;
   bool is_recv_;
   bool destroying_ = false;
-  // Work request (send or recv) and its SGEs.
-  ibv_send_wr swr_{};
-  ibv_recv_wr rwr_{};
-  absl::InlinedVector<ibv_sge, kInlineSges> sges_;
+  bool cancellable_ = true;
+  // Work request (send or recv) and its SGEs. The constructor initializes
+  // only the request in use (an op is built per message: zeroing both
+  // and a vector of SGEs was most of its cost).
+  ibv_send_wr swr_;
+  ibv_recv_wr rwr_;
+  ibv_sge sge_inline_[kInlineSges];
+  std::unique_ptr<ibv_sge[]> sge_heap_;  // more than kInlineSges
   const char* name_ = "WR";
   uint32_t slots_ = 1;      // SQ/RQ slots this op holds (batches: >1)
   uint32_t qp_num_ = 0;
-  // Outcome.
-  ibv_wc wc_{};
+  // Outcome. wc_ is set by OnCompletion before anything reads it.
+  ibv_wc wc_;
   bool completed_ = false;
   bool posted_ = false;
   std::atomic<bool> cancelled_{false};

@@ -120,6 +120,7 @@ QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
   spec.imm = o.imm;
   spec.send_flags = (o.inline_data ? IBV_SEND_INLINE : 0) |
                     (o.fence ? IBV_SEND_FENCE : 0);
+  spec.cancellable = !o.ignore_stop;
   if (o.imm && !caps().send_with_imm) {
     spec.error = absl::UnimplementedError(absl::StrFormat(
         "SEND_WITH_IMM on QP 0x%x: %s (%s) has no immediate data", qp_num_,
@@ -135,7 +136,9 @@ QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
           qp_num_, total, max_inline_));
     }
   }
-  LimitSges(spec, "max_send_sge", options_.max_send_sge);
+  if (bufs.size() > options_.max_send_sge) {
+    LimitSges(spec, "max_send_sge", options_.max_send_sge);
+  }
   return Op(this, spec);
 }
 

@@ -17,19 +17,37 @@ namespace coverbs::transport {
 namespace internal_qp {
 
 OpBase::OpBase(QueuePair* qp, const OpSpec& spec)
-    : qp_(qp), is_recv_(spec.recv), name_(spec.name), qp_num_(qp->qp_num()) {
+    : qp_(qp),
+      is_recv_(spec.recv),
+      cancellable_(spec.cancellable),
+      name_(spec.name),
+      qp_num_(qp->qp_num()) {
   early_ = spec.error;
-  for (const LocalBuffer& b : spec.bufs) sges_.push_back(b.sge());
+  const size_t num_sges = spec.bufs.size();
+  ibv_sge* sg = sge_inline_;
+  if (num_sges > kInlineSges) {
+    sge_heap_ = std::make_unique<ibv_sge[]>(num_sges);
+    sg = sge_heap_.get();
+  }
+  for (size_t i = 0; i < num_sges; ++i) sg[i] = spec.bufs[i].sge();
   if (spec.batch != nullptr) {
     batch_ = spec.batch;
     slots_ = static_cast<uint32_t>(spec.batch->size());
     return;
   }
+  const uint64_t wr_id =
+      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
   if (is_recv_) {
-    rwr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+    rwr_.wr_id = wr_id;
+    rwr_.next = nullptr;
+    rwr_.sg_list = sg;
+    rwr_.num_sge = static_cast<int>(num_sges);
     return;
   }
-  swr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+  swr_ = ibv_send_wr{};
+  swr_.wr_id = wr_id;
+  swr_.sg_list = sg;
+  swr_.num_sge = static_cast<int>(num_sges);
   swr_.opcode = spec.opcode;
   swr_.send_flags = spec.send_flags | IBV_SEND_SIGNALED;
   if (spec.imm) swr_.imm_data = htonl(*spec.imm);
