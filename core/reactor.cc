@@ -99,18 +99,11 @@ void CancellableOp::ProcessCancel() {
   DoCancel();
 }
 
-void DetachedPromise::Link(Reactor* r, std::stop_token t) {
-  reactor_ = r;
-  token_ = std::move(t);
-  r->detached_.push_back(this);
-  ++r->detached_count_;
-}
-
-void DetachedPromise::Unlink() {
-  if (reactor_ != nullptr && linked()) {
-    reactor_->detached_.erase(this);
-    --reactor_->detached_count_;
-  }
+void FinishDetached(DetachedRecord* r) noexcept {
+  Reactor* reactor = r->reactor;
+  reactor->detached_.erase(r);
+  --reactor->detached_count_;
+  delete r;
 }
 
 }  // namespace internal
@@ -152,10 +145,11 @@ Reactor::~Reactor() {
     CurrentScope scope(this);
     // Tasks still suspended: destroying their frames runs the awaiters'
     // destructors, which unregister timers, fd polls and sync waiters.
-    while (internal::DetachedPromise* p = detached_.front()) {
-      auto h = std::coroutine_handle<internal::DetachedPromise>::from_promise(
-          *p);
-      p->Unlink();
+    while (internal::DetachedRecord* rec = detached_.front()) {
+      std::coroutine_handle<> h = rec->handle;
+      detached_.erase(rec);
+      --detached_count_;
+      delete rec;
       h.destroy();
     }
     // Destroyed outside the lock: a posted function may own the last
@@ -233,10 +227,6 @@ void Reactor::PostCancel(internal::CancellableOp* op) {
   SignalRemoteLocked();
 }
 
-namespace {
-internal::DetachedTask RunDetached(Task<void> t) { co_await std::move(t); }
-}  // namespace
-
 void Reactor::Spawn(Task<void> task, std::stop_token token) {
   if (!InLoopThread()) {
     Post([this, t = std::move(task), tok = std::move(token)]() mutable {
@@ -244,9 +234,18 @@ void Reactor::Spawn(Task<void> task, std::stop_token token) {
     });
     return;
   }
-  internal::DetachedTask d = RunDetached(std::move(task));
-  d.h.promise().Link(this, std::move(token));
-  ready_.push_back(d.h);
+  if (!task.valid()) return;
+  // The task runs as it is: its frame frees itself at its final suspend
+  // (PromiseBase::FinalAwaiter), so a spawn costs no wrapper coroutine.
+  Task<void>::Handle h = task.Release();
+  auto* rec = new internal::DetachedRecord;
+  rec->reactor = this;
+  rec->handle = h;
+  detached_.push_back(rec);
+  ++detached_count_;
+  h.promise().inherit_stop_token(std::move(token));
+  h.promise().set_detached(rec);
+  ready_.push_back(h);
 }
 
 void Reactor::SignalRemoteLocked() {

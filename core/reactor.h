@@ -163,7 +163,14 @@ struct CancelCallback {
   void operator()() const noexcept { op->RequestCancel(); }
 };
 
-class DetachedPromise;
+// A spawned task on its reactor's list (destroyed with the reactor if it
+// is still suspended then). From the frame pool: one per Spawn.
+struct DetachedRecord : ListNode<DetachedRecord> {
+  Reactor* reactor = nullptr;
+  std::coroutine_handle<> handle;
+  static void* operator new(size_t n) { return AllocFrame(n); }
+  static void operator delete(void* p, size_t n) noexcept { FreeFrame(p, n); }
+};
 
 }  // namespace internal
 
@@ -257,7 +264,7 @@ class Reactor {
   bool InLoopThread() const { return Current() == this; }
 
  private:
-  friend class internal::DetachedPromise;
+  friend void internal::FinishDetached(internal::DetachedRecord* r) noexcept;
   explicit Reactor(ReactorOptions options);
   absl::Status Init();
 
@@ -309,7 +316,7 @@ class Reactor {
   std::vector<std::unique_ptr<internal::IoSlot[]>> slot_chunks_;
   internal::IoSlot* free_slots_ = nullptr;
 
-  internal::IntrusiveList<internal::DetachedPromise> detached_;
+  internal::IntrusiveList<internal::DetachedRecord> detached_;
   size_t detached_count_ = 0;
   bool in_loop_ = false;
 };
@@ -420,52 +427,9 @@ inline Reactor::FdAwaiter Reactor::WaitFd(int fd, uint32_t events) {
 }
 
 // ---------------------------------------------------------------------------
-// Detached tasks (Spawn)
+// BlockOn
 
 namespace internal {
-
-class DetachedTask;
-
-class DetachedPromise : public ListNode<DetachedPromise> {
- public:
-  DetachedTask get_return_object() noexcept;
-  std::suspend_always initial_suspend() noexcept { return {}; }
-  struct FinalAwaiter {
-    bool await_ready() const noexcept { return false; }
-    void await_suspend(std::coroutine_handle<DetachedPromise> h) noexcept {
-      DetachedPromise& p = h.promise();
-      p.Unlink();
-      h.destroy();
-    }
-    void await_resume() const noexcept {}
-  };
-  FinalAwaiter final_suspend() noexcept { return {}; }
-  void return_void() noexcept {}
-  [[noreturn]] void unhandled_exception() noexcept { std::terminate(); }
-  const std::stop_token& stop_token() const noexcept { return token_; }
-  // One per Spawn (an RPC server spawns one per request): pooled like Task
-  // frames (core/frame_pool.h).
-  static void* operator new(size_t n) { return AllocFrame(n); }
-  static void operator delete(void* p, size_t n) noexcept { FreeFrame(p, n); }
-
-  void Link(Reactor* r, std::stop_token t);
-  void Unlink();
-
- private:
-  Reactor* reactor_ = nullptr;
-  std::stop_token token_;
-};
-
-class DetachedTask {
- public:
-  using promise_type = DetachedPromise;
-  std::coroutine_handle<DetachedPromise> h;
-};
-
-inline DetachedTask DetachedPromise::get_return_object() noexcept {
-  return DetachedTask{
-      std::coroutine_handle<DetachedPromise>::from_promise(*this)};
-}
 
 // Runs a Task to completion and stores its result (BlockOn).
 template <typename T>

@@ -71,6 +71,11 @@ inline void ResumeOnTrampoline(std::coroutine_handle<> h) {
   t = saved;
 }
 
+// Reactor::Spawn's record of a task nobody awaits (core/reactor.cc).
+struct DetachedRecord;
+// A spawned task finished: forgets and frees its record (reactor thread).
+void FinishDetached(DetachedRecord* r) noexcept;
+
 // Shared by all promises: continuation + the ambient stop token.
 class PromiseBase {
  public:
@@ -85,8 +90,15 @@ class PromiseBase {
     template <typename P>
     std::coroutine_handle<> await_suspend(
         std::coroutine_handle<P> h) noexcept {
-      std::coroutine_handle<> next = h.promise().continuation_;
-      return next ? TransferTo(next) : std::noop_coroutine();
+      PromiseBase& p = h.promise();
+      if (p.continuation_) return TransferTo(p.continuation_);
+      if (DetachedRecord* r = p.detached_) {
+        // Spawned (Reactor::Spawn runs the task itself, without a wrapper
+        // coroutine per spawn): nobody else will free the frame.
+        FinishDetached(r);
+        h.destroy();
+      }
+      return std::noop_coroutine();
     }
     void await_resume() const noexcept {}
   };
@@ -106,9 +118,15 @@ class PromiseBase {
   void inherit_stop_token(const std::stop_token& t) noexcept {
     if (!has_own_token_) stop_token_ = t;
   }
+  void inherit_stop_token(std::stop_token&& t) noexcept {
+    if (!has_own_token_) stop_token_ = std::move(t);
+  }
+  // Reactor::Spawn: the frame frees itself when the task finishes.
+  void set_detached(DetachedRecord* r) noexcept { detached_ = r; }
 
  private:
   std::coroutine_handle<> continuation_;
+  DetachedRecord* detached_ = nullptr;
   std::stop_token stop_token_;
   bool has_own_token_ = false;
 };
