@@ -264,6 +264,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // SendPool's answer once found: the Worker keeps its pools as long as it
   // lives, which outlasts its connections (a map lookup per message else).
   transport::BufferPool* send_pool_ = nullptr;
+  uint32_t send_lkey_ = 0;  // send_pool_'s
   // The Worker's pool of registered buffers of `size` bytes (shared by
   // its connections; made with `count` buffers on first use).
   absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count);

@@ -58,8 +58,13 @@ Task<absl::Status> ConnectionImpl::SendCreditFrame(
 }
 
 void ConnectionImpl::MaybeSendCredits() {
-  if (credit_msg_running_ || !status_.ok() || closing_ || !started_) return;
-  if (to_return_ < ReturnThreshold() && !GrantsDue()) return;
+  // Twice per message received: the usual "nothing due" first, without
+  // a call.
+  if (credit_msg_running_) return;
+  if (to_return_ < ReturnThreshold() && (grants_unsent_ == 0 || !GrantsDue())) {
+    return;
+  }
+  if (!status_.ok() || closing_ || !started_) return;
   if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
   credit_msg_running_ = true;
   SpawnInternal(SendCreditMessage());

@@ -112,7 +112,10 @@ void ConnectionImpl::AbandonTurn() {
 absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
   if (send_pool_ != nullptr) return send_pool_;
   auto pool = PoolOf(kHeaderSize + options_.rendezvous_threshold, 256);
-  if (pool.ok()) send_pool_ = *pool;
+  if (pool.ok()) {
+    send_pool_ = *pool;
+    send_lkey_ = send_pool_->region().lkey();
+  }
   return pool;
 }
 
@@ -171,11 +174,20 @@ Task<absl::Status> ConnectionImpl::SendSmall(
     off += zero_copy->length;
     zero_copy = nullptr;
   }
-  LocalBuffer sg[2] = {buf->Local(off), {}};
+  // The SGE from the pool's cached key: Buffer::Local's bounds checks and
+  // key lookup are two calls per message.
+  LocalBuffer sg[2] = {LocalBuffer{d, static_cast<uint32_t>(off), send_lkey_},
+                       {}};
   size_t n = 1;
   if (zero_copy != nullptr) sg[n++] = *zero_copy;
   transport::SendOptions so;
   so.inline_data = zero_copy == nullptr && off <= qp_->max_inline_data();
+  // Once posted, the message goes: a cancelled Send still waits for its
+  // completion (bounded by the transport's retry timer or a flush) rather
+  // than moving the QP to the error state, which would fail the
+  // connection for everyone. Waiting for the turn, a credit or a buffer
+  // above stays cancellable.
+  so.ignore_stop = true;
   send_turn_.Release(1);
   auto wc = co_await qp_->Send(std::span<const LocalBuffer>(sg, n), so);
   if (!wc.ok()) co_return OpError("send", wc.status());

@@ -968,6 +968,43 @@ TEST_P(CmTest, CloseUnderAStoppedTokenStillClosesCleanly) {
   }(this));
 }
 
+// A Send cancelled once its message is posted still completes (the NIC
+// cannot take the work request back): it does not move the QP to the
+// error state, which would fail the connection for every other caller.
+TEST_P(CmTest, CancellingAPostedSendKeepsTheConnection) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    auto first = Pattern(64, 3);
+    std::stop_source stop;
+    absl::Status sent = absl::UnknownError("not run");
+    Event done;
+    auto send = [](Connection* c, std::span<const std::byte> b,
+                   absl::Status* out, Event* done) -> Task<void> {
+      *out = co_await c->Send(b);
+      done->Set();
+    };
+    t->reactor_->Spawn(send(p->client.get(), first, &sent, &done),
+                       stop.get_token());
+    // The send runs first: it takes its turn, credit and buffer and posts,
+    // then waits for its completion; the stop comes while it waits.
+    co_await t->reactor_->Yield();
+    stop.request_stop();
+    CO_ASSERT_OK(co_await done.Wait());
+    EXPECT_TRUE(sent.ok()) << sent;
+    EXPECT_TRUE(p->client->status().ok()) << p->client->status();
+    auto second = Pattern(64, 4);
+    CO_ASSERT_OK(co_await p->client->Send(second));
+    auto m1 = co_await p->server->Recv();
+    CO_ASSERT_OK(m1);
+    EXPECT_TRUE(Same(m1->data(), first));
+    auto m2 = co_await p->server->Recv();
+    CO_ASSERT_OK(m2);
+    EXPECT_TRUE(Same(m2->data(), second));
+    co_await Close(*p);
+  }(this));
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, CmTest, ::testing::ValuesIn(Providers()),
                          [](const auto& info) { return info.param; });
 
