@@ -276,42 +276,112 @@ size_t Client::in_flight() const { return state_->pending.size(); }
 cm::Connection& Client::connection() const { return *state_->conn; }
 Client::Stats Client::stats() const { return state_->stats; }
 
-Task<absl::StatusOr<Response>> Client::Call(
-    std::string_view method, std::span<const std::byte> payload) {
-  return Call(method, payload, CallOptions{});
+namespace {
+
+// Abseil here has its own string_view.
+absl::string_view AsAbsl(std::string_view v) { return {v.data(), v.size()}; }
+
+// A call's checks before anything is sent: OK, or what the call returns.
+absl::Status CheckCall(const ClientState& st, absl::string_view name,
+                       size_t payload_size) {
+  if (!st.status.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("rpc call ", name, ": ", st.status.message()));
+  }
+  uint64_t peer_max = st.conn->peer().handshake.max_message_size;
+  uint64_t limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
+  if (payload_size > limit || payload_size > 0xffffffffull) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rpc call ", name, ": request of ", payload_size,
+                     " bytes exceeds the connection's limit of ", limit));
+  }
+  return absl::OkStatus();
 }
 
-Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
-                                            std::span<const std::byte> payload,
-                                            CallOptions options) {
-  std::shared_ptr<State> st = state_;
-  const uint32_t method_id = MethodId(method);
-  const std::string name(method);
+// A call that got no result: sending its request failed (`sent`), or it
+// was stopped (`stopped`; `deadline`: by its deadline), in which case the
+// server is told to stop the handler.
+absl::Status CallFailed(const std::shared_ptr<ClientState>& st,
+                        absl::string_view name, uint64_t id, uint32_t method_id,
+                        const absl::Status& sent, bool stopped, bool deadline) {
+  if (stopped) {
+    // Tell the server to stop the handler; its response, if already on the
+    // way, is dropped by the reader (unknown id).
+    if (st->status.ok()) {
+      st->cancels.Add();
+      st->reactor->Spawn(SendCancel(st, id, method_id));
+    }
+    if (deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+          ": deadline exceeded; the call was cancelled"));
+    }
+    return absl::CancelledError(absl::StrCat("rpc call ", name, " (id ", id,
+                                             ") on ", st->conn->name(),
+                                             ": cancelled"));
+  }
   if (!st->status.ok()) {
-    co_return absl::UnavailableError(
+    return absl::UnavailableError(
         absl::StrCat("rpc call ", name, ": ", st->status.message()));
   }
-  uint64_t peer_max = st->conn->peer().handshake.max_message_size;
-  uint64_t limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
-  if (payload.size() > limit || payload.size() > 0xffffffffull) {
-    co_return absl::InvalidArgumentError(
-        absl::StrCat("rpc call ", name, ": request of ", payload.size(),
-                     " bytes exceeds the connection's limit of ", limit));
+  return absl::UnavailableError(
+      absl::StrCat("rpc call ", name, " (id ", id, ") on ", st->conn->name(),
+                   ": sending the request failed: ", sent.ToString()));
+}
+
+// The usual call: no deadline and no cancel token of its own, so it runs
+// under the caller's token as it is. None of the stop plumbing of
+// CallJoined sits in its frame (per call, their construction and
+// destruction were a good part of the client's instructions).
+Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
+                                         std::string_view method,
+                                         std::span<const std::byte> payload) {
+  const uint32_t method_id = MethodId(method);
+  if (absl::Status s = CheckCall(*st, AsAbsl(method), payload.size());
+      !s.ok()) {
+    co_return s;
+  }
+  const uint64_t id = st->next_id++;
+  ++st->stats.calls;
+  Pending p(st.get(), id);
+  st->pending.Add(id, &p);
+  const HeaderBytes hdr =
+      RequestHeader(id, method_id, static_cast<uint32_t>(payload.size()));
+  std::span<const std::byte> parts[2] = {hdr, payload};
+  absl::Status sent = co_await st->conn->SendV(parts);
+  if (sent.ok()) co_await p;
+  if (p.result.has_value()) co_return *std::move(p.result);
+  // No result: the send failed or the call was stopped.
+  p.Unregister();
+  std::stop_token token = co_await CurrentStopToken();
+  co_return CallFailed(st, AsAbsl(method), id, method_id, sent,
+                       token.stop_requested(), false);
+}
+
+// A call with a deadline or a cancel token: it stops when the caller's
+// ambient token, the cancel token or the deadline asks.
+Task<absl::StatusOr<Response>> CallJoined(std::shared_ptr<ClientState> st,
+                                          std::string_view method,
+                                          std::span<const std::byte> payload,
+                                          CallOptions options) {
+  const uint32_t method_id = MethodId(method);
+  if (absl::Status s = CheckCall(*st, AsAbsl(method), payload.size());
+      !s.ok()) {
+    co_return s;
   }
   // (No clock read for the usual infinite deadline.)
   if (options.deadline != absl::InfiniteFuture() &&
       options.deadline <= absl::Now()) {
     co_return absl::DeadlineExceededError(
-        absl::StrCat("rpc call ", name, ": deadline already passed"));
+        absl::StrCat("rpc call ", AsAbsl(method), ": deadline already passed"));
   }
   const uint64_t id = st->next_id++;
   ++st->stats.calls;
 
-  // The call stops when the caller's ambient token, the explicit cancel
-  // token or the deadline asks. With only one of the tokens able to stop
-  // and no deadline (the usual case) the call runs on that token itself;
-  // otherwise one stop source per call joins them. (A stop source is a
-  // heap-allocated shared state plus a callback registration per link.)
+  // With only one of the tokens able to stop and no deadline the call runs
+  // on that token itself; otherwise one stop source per call joins them.
+  // (A stop source is a heap-allocated shared state plus a callback
+  // registration per link.)
   std::stop_token ambient = co_await CurrentStopToken();
   const bool timed = options.deadline != absl::InfiniteFuture();
   std::stop_token own;  // the call's token when it is not `ambient`
@@ -345,29 +415,25 @@ Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
   // No result: the send failed or the call was stopped.
   p.Unregister();
   const std::stop_token& token = own_token ? own : ambient;
-  if (token.stop_requested()) {
-    // Tell the server to stop the handler; its response, if already on the
-    // way, is dropped by the reader (unknown id).
-    if (st->status.ok()) {
-      st->cancels.Add();
-      st->reactor->Spawn(SendCancel(st, id, method_id));
-    }
-    if (timer.fired()) {
-      co_return absl::DeadlineExceededError(absl::StrCat(
-          "rpc call ", name, " (id ", id, ") on ", st->conn->name(),
-          ": deadline exceeded; the call was cancelled"));
-    }
-    co_return absl::CancelledError(absl::StrCat("rpc call ", name, " (id ", id,
-                                                ") on ", st->conn->name(),
-                                                ": cancelled"));
+  co_return CallFailed(st, AsAbsl(method), id, method_id, s,
+                       token.stop_requested(), timer.fired());
+}
+
+}  // namespace
+
+Task<absl::StatusOr<Response>> Client::Call(
+    std::string_view method, std::span<const std::byte> payload) {
+  return CallPlain(state_, method, payload);
+}
+
+Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
+                                            std::span<const std::byte> payload,
+                                            CallOptions options) {
+  if (options.deadline == absl::InfiniteFuture() &&
+      !options.cancel.stop_possible()) {
+    return CallPlain(state_, method, payload);
   }
-  if (!st->status.ok()) {
-    co_return absl::UnavailableError(
-        absl::StrCat("rpc call ", name, ": ", st->status.message()));
-  }
-  co_return absl::UnavailableError(
-      absl::StrCat("rpc call ", name, " (id ", id, ") on ", st->conn->name(),
-                   ": sending the request failed: ", s.ToString()));
+  return CallJoined(state_, method, payload, std::move(options));
 }
 
 Task<absl::Status> Client::Close() {

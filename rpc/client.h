@@ -75,7 +75,8 @@ class Client {
   ~Client();
   Client(const Client&) = delete;
 
-  // `payload` must stay valid until the call completes. Small responses are
+  // `method` and `payload` must stay valid until the call completes (the
+  // call is lazy: it reads them when awaited). Small responses are
   // copied out of the receive buffer (so holding many responses never
   // starves the connection of receive buffers); large ones (rendezvous)
   // are handed over zero-copy.

@@ -323,11 +323,15 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     // The handler's token, taken before the await below (other calls may
     // end meanwhile and erase their entries).
     std::stop_token token = call_it->second.stop.get_token();
-    absl::Status admitted = co_await c->admission.Acquire();
-    if (!admitted.ok()) {
-      c->calls.erase(h.call_id);
-      why = admitted;
-      break;
+    // A free slot is taken without an awaiter (built and torn down per
+    // request otherwise).
+    if (!c->admission.TryAcquire()) {
+      absl::Status admitted = co_await c->admission.Acquire();
+      if (!admitted.ok()) {
+        c->calls.erase(h.call_id);
+        why = admitted;
+        break;
+      }
     }
     stats_.request_bytes.fetch_add(f->payload.size());
     // The request is built in place, its payload too (each Payload
@@ -366,8 +370,11 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
 Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
                            Request req) {
   uint32_t method_id = req.method_id;
-  absl::Status slot = co_await c->running.Acquire();
-  bool stopped = !slot.ok();
+  bool stopped = false;
+  if (!c->running.TryAcquire()) {  // no awaiter when a slot is free
+    absl::Status slot = co_await c->running.Acquire();
+    stopped = !slot.ok();
+  }
   // Read only when the handler ran (a stopped call is not answered).
   // Constructed from the handler's result, not assigned over a default.
   std::optional<absl::StatusOr<Payload>> ran;
