@@ -432,9 +432,20 @@ int Reactor::RunReady() {
   if (ready_.empty()) return 0;
   running_.swap(ready_);
   int n = static_cast<int>(running_.size());
+  // One trampoline for the whole batch (ResumeOnTrampoline per handle
+  // saved and restored it each time).
+  internal::Trampoline& t = internal::tls_trampoline;
+  internal::Trampoline saved = t;
+  t.active = true;
   for (std::coroutine_handle<> h : running_) {
-    internal::ResumeOnTrampoline(h);
+    t.next = h;
+    while (t.next) {
+      std::coroutine_handle<> c = t.next;
+      t.next = nullptr;
+      c.resume();
+    }
   }
+  t = saved;
   running_.clear();
   return n;
 }
