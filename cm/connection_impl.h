@@ -130,10 +130,14 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
  private:
   friend class ConnectionTestPeer;
-  // Sends one small message (header + parts copied into a pooled buffer).
-  Task<absl::Status> SendSmall(MsgType type, uint32_t cookie,
-                               std::span<const std::span<const std::byte>> p,
-                               const LocalBuffer* zero_copy = nullptr);
+  // Sends one small message (header + parts copied into a pooled buffer)
+  // of `total` payload bytes (the parts' and zero_copy's together).
+  Task<absl::Status> SendSmall(
+      MsgType type, uint32_t cookie,
+      std::span<const std::span<const std::byte>> p, size_t total,
+      std::optional<LocalBuffer> zero_copy = std::nullopt);
+  // SendRegistered above the eager limit (holds `b` for SendBig).
+  Task<absl::Status> SendRegisteredBig(LocalBuffer b);
   // Above the eager limit: takes the send turn, then writes into a landing
   // buffer the peer granted if one fits (SendLanded), else the rendezvous
   // (SendLarge); both run in that turn, which keeps Send order.

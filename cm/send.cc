@@ -146,11 +146,8 @@ ConnectionImpl::GetSendBuffer() {
 
 Task<absl::Status> ConnectionImpl::SendSmall(
     MsgType type, uint32_t cookie,
-    std::span<const std::span<const std::byte>> parts,
-    const LocalBuffer* zero_copy) {
-  size_t total = 0;
-  for (auto p : parts) total += p.size();
-  if (zero_copy != nullptr) total += zero_copy->length;
+    std::span<const std::span<const std::byte>> parts, size_t total,
+    std::optional<LocalBuffer> zero_copy) {
   // Nobody waiting and the turn, a credit and a buffer free now: take them
   // without AcquireSend's three nested coroutines (the common case; only
   // uncontended TryAcquires succeed, so FIFO order is kept).
@@ -167,21 +164,21 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   size_t off = kHeaderSize + CopyParts(d + kHeaderSize, parts);
   // A payload that fits inline goes inline even when the caller registered
   // it: one SGE copied at post time beats a second SGE the NIC must fetch.
-  if (zero_copy != nullptr &&
+  if (zero_copy.has_value() &&
       off + zero_copy->length <= qp_->max_inline_data()) {
     if (zero_copy->length > 0)
       std::memcpy(d + off, zero_copy->addr, zero_copy->length);
     off += zero_copy->length;
-    zero_copy = nullptr;
+    zero_copy.reset();
   }
   // The SGE from the pool's cached key: Buffer::Local's bounds checks and
   // key lookup are two calls per message.
   LocalBuffer sg[2] = {LocalBuffer{d, static_cast<uint32_t>(off), send_lkey_},
                        {}};
   size_t n = 1;
-  if (zero_copy != nullptr) sg[n++] = *zero_copy;
+  if (zero_copy.has_value()) sg[n++] = *zero_copy;
   transport::SendOptions so;
-  so.inline_data = zero_copy == nullptr && off <= qp_->max_inline_data();
+  so.inline_data = !zero_copy.has_value() && off <= qp_->max_inline_data();
   // Once posted, the message goes: a cancelled Send still waits for its
   // completion (bounded by the transport's retry timer or a flush) rather
   // than moving the QP to the error state, which would fail the
@@ -270,23 +267,32 @@ Task<absl::Status> ConnectionImpl::SendParts(
         peer_.handshake.max_message_size)));
   }
   if (total <= eager_max_) {
-    return SendSmall(kData, 0, parts);
+    return SendSmall(kData, 0, parts, total);
   }
   return SendBig(parts, nullptr, total);
 }
 
 Task<absl::Status> ConnectionImpl::SendRegistered(LocalBuffer b) {
-  absl::Status s = CheckUp("send");
-  if (!s.ok()) co_return s;
+  // Not a coroutine, like SendParts: a small message hands over
+  // SendSmall's Task (which holds `b` by value), one frame less per Send.
+  if (!status_.ok() || closing_ || !started_) return Ready(CheckUp("send"));
   if (b.length > peer_max_) {
-    co_return absl::InvalidArgumentError(absl::StrFormat(
+    return Ready(absl::InvalidArgumentError(absl::StrFormat(
         "send on %s: message of %d bytes exceeds the maximum %d", name_,
-        b.length, peer_max_));
+        b.length, peer_max_)));
   }
   if (b.length <= eager_max_) {
-    co_return co_await SendSmall(kData, 0, {}, &b);
+    return SendSmall(kData, 0, std::span<const std::span<const std::byte>>(),
+                     b.length, b);
   }
-  co_return co_await SendBig({}, &b, b.length);
+  return SendRegisteredBig(b);
+}
+
+Task<absl::Status> ConnectionImpl::SendRegisteredBig(LocalBuffer b) {
+  // A named empty span: gcc 12 mis-copies braced temporaries passed to a
+  // coroutine inside co_await.
+  std::span<const std::span<const std::byte>> none;
+  co_return co_await SendBig(none, &b, b.length);
 }
 
 }  // namespace coverbs::cm::internal
