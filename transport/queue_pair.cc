@@ -220,7 +220,8 @@ bool QueuePair::HasPosted(const WorkRequest* wr, const ibv_wc& wc) const {
   });
 }
 
-void QueuePair::OnOpDone() {
+// Inline: twice per message (its send and its receive), both from here.
+inline void QueuePair::OnOpDone() {
   if (outstanding_ == 0) {
     COVERBS_LOG(kWarning, "transport",
                 "QP 0x%x: a completion with no work request outstanding; "
