@@ -74,9 +74,14 @@ bool ConnectionImpl::TryAcquireSend(
   }
   if (!send_turn_.TryAcquire(1)) return false;
   if (credits_.TryAcquire(1)) {
-    auto pool = SendPool();
-    if (pool.ok()) {
-      out = (*pool)->TryGet();
+    // The pool once known, without a StatusOr per message.
+    transport::BufferPool* pool = send_pool_;
+    if (pool == nullptr) {
+      auto found = SendPool();
+      if (found.ok()) pool = *found;
+    }
+    if (pool != nullptr) {
+      out = pool->TryGet();
       if (out.has_value()) return true;
     }
     credits_.Release(1);
