@@ -24,7 +24,18 @@ namespace {
 template <typename ReceiveQueue>
 absl::Status PostHandlerRecv(ReceiveQueue& queue, RecvHandler* h,
                              std::span<const LocalBuffer> bufs) {
-  // Once per received message: SGEs on the stack, no vector.
+  // Once per received message: SGEs on the stack, no vector; the usual
+  // single buffer without even the array.
+  ibv_recv_wr wr;
+  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
+  wr.next = nullptr;
+  wr.num_sge = static_cast<int>(bufs.size());
+  ibv_recv_wr* bad = nullptr;
+  if (bufs.size() == 1) {
+    ibv_sge sge = bufs[0].sge();
+    wr.sg_list = &sge;
+    return queue.PostRecv(&wr, &bad);
+  }
   ibv_sge inline_sges[internal_qp::kInlineSges];
   std::unique_ptr<ibv_sge[]> heap;
   ibv_sge* sges = inline_sges;
@@ -33,12 +44,7 @@ absl::Status PostHandlerRecv(ReceiveQueue& queue, RecvHandler* h,
     sges = heap.get();
   }
   for (size_t i = 0; i < bufs.size(); ++i) sges[i] = bufs[i].sge();
-  ibv_recv_wr wr;
-  wr.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(h)) | 1;
-  wr.next = nullptr;
   wr.sg_list = sges;
-  wr.num_sge = static_cast<int>(bufs.size());
-  ibv_recv_wr* bad = nullptr;
   return queue.PostRecv(&wr, &bad);
 }
 
