@@ -104,6 +104,8 @@ struct ClientState {
   WaitGroup cancels;
   DecodeLimits limits;
   size_t eager_max = 0;  // responses up to this size sit in a receive buffer
+  // Largest request payload: the peer's max_message_size less the header.
+  uint64_t request_limit = 0;
   bool closing = false;
   Client::Stats stats;
 
@@ -245,6 +247,8 @@ std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
   uint64_t mine = local.max_message_size;
   st->limits.max_payload = std::min<uint64_t>(
       options.max_response_size, mine > kHeaderSize ? mine - kHeaderSize : 0);
+  uint64_t peer_max = conn->peer().handshake.max_message_size;
+  st->request_limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
   st->status = conn->status();
   st->conn = std::move(conn);
   st->reactor->Spawn(Reader(st), st->reader_stop.get_token());
@@ -288,8 +292,7 @@ absl::Status CheckCall(const ClientState& st, absl::string_view name,
     return absl::UnavailableError(
         absl::StrCat("rpc call ", name, ": ", st.status.message()));
   }
-  uint64_t peer_max = st.conn->peer().handshake.max_message_size;
-  uint64_t limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
+  const uint64_t limit = st.request_limit;
   if (payload_size > limit || payload_size > 0xffffffffull) {
     return absl::InvalidArgumentError(
         absl::StrCat("rpc call ", name, ": request of ", payload_size,
@@ -337,9 +340,10 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
                                          std::string_view method,
                                          std::span<const std::byte> payload) {
   const uint32_t method_id = MethodId(method);
-  if (absl::Status s = CheckCall(*st, AsAbsl(method), payload.size());
-      !s.ok()) {
-    co_return s;
+  // CheckCall's conditions first, without a call and a Status per call.
+  if (!st->status.ok() || payload.size() > st->request_limit ||
+      payload.size() > 0xffffffffull) {
+    co_return CheckCall(*st, AsAbsl(method), payload.size());
   }
   const uint64_t id = st->next_id++;
   ++st->stats.calls;
