@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "cm/connection.h"
-#include "core/frame_pool.h"
 
 namespace coverbs::rpc {
 
@@ -29,11 +28,6 @@ class Payload {
   Payload(cm::Message m, size_t offset, std::shared_ptr<void> lease = nullptr)
       : v_(Held{std::move(lease), std::move(m), offset}) {}
   static Payload Copy(std::span<const std::byte> b) {
-    // The client copies every small response: from the frame pool's
-    // per-thread lists, malloc and free were ~200 instructions a call.
-    if (!b.empty() && b.size() <= coverbs::internal::kMaxPooledFrame) {
-      return Payload(Pooled(b));
-    }
     return Payload(std::vector<std::byte>(b.begin(), b.end()));
   }
   static Payload Copy(std::string_view s) { return Payload(std::string(s)); }
@@ -58,8 +52,6 @@ class Payload {
         const Held& h = std::get<3>(v_);
         return h.msg.data().subspan(h.offset);
       }
-      case 4:
-        return std::get<4>(v_).data();
       default:
         return {};
     }
@@ -80,39 +72,7 @@ class Payload {
     cm::Message msg;
     size_t offset = 0;
   };
-  // A copy of 1..kMaxPooledFrame bytes in frame-pool memory (which may be
-  // freed on any thread, as a Payload may be destroyed on any).
-  class Pooled {
-   public:
-    explicit Pooled(std::span<const std::byte> b)
-        : p_(static_cast<std::byte*>(coverbs::internal::AllocFrame(b.size()))),
-          n_(b.size()) {
-      std::memcpy(p_, b.data(), n_);
-    }
-    Pooled(Pooled&& o) noexcept
-        : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
-    Pooled& operator=(Pooled&& o) noexcept {
-      if (this != &o) {
-        Free();
-        p_ = std::exchange(o.p_, nullptr);
-        n_ = std::exchange(o.n_, 0);
-      }
-      return *this;
-    }
-    ~Pooled() { Free(); }
-    std::span<const std::byte> data() const { return {p_, n_}; }
-
-   private:
-    void Free() {
-      if (p_ != nullptr) coverbs::internal::FreeFrame(p_, n_);
-    }
-    std::byte* p_;
-    size_t n_;
-  };
-  explicit Payload(Pooled p) : v_(std::move(p)) {}
-  std::variant<std::monostate, std::string, std::vector<std::byte>, Held,
-               Pooled>
-      v_;
+  std::variant<std::monostate, std::string, std::vector<std::byte>, Held> v_;
 };
 
 using Response = Payload;

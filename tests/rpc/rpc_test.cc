@@ -8,7 +8,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -23,7 +22,6 @@
 #include "cm/connection.h"
 #include "cm/worker.h"
 #include "cm/listener.h"
-#include "core/frame_pool.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "core/sync.h"
@@ -810,26 +808,6 @@ TEST_P(RpcTest, ServerKilledDuringCallsFailsEveryPendingCall) {
     EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable);
     (void)co_await (*c)->Close();
   }(this, port, pid), absl::Seconds(60));
-}
-
-// Copies of every size keep their bytes through moves, whichever storage
-// holds them (frame-pool memory up to kMaxPooledFrame, a vector above).
-TEST(PayloadTest, CopiesKeepTheirBytesThroughMoves) {
-  for (size_t n : {size_t{0}, size_t{1}, size_t{64}, size_t{2047},
-                   coverbs::internal::kMaxPooledFrame,
-                   coverbs::internal::kMaxPooledFrame + 1, size_t{100000}}) {
-    std::vector<std::byte> src(n);
-    for (size_t i = 0; i < n; ++i) src[i] = static_cast<std::byte>(i * 7 + 1);
-    Payload a = Payload::Copy(src);
-    Payload b = std::move(a);
-    Payload c;
-    c = std::move(b);
-    ASSERT_EQ(c.size(), n);
-    EXPECT_TRUE(std::equal(src.begin(), src.end(), c.data().begin())) << n;
-    EXPECT_FALSE(c.zero_copy());
-    c = Payload::Copy(std::span<const std::byte>(src).first(n / 2));
-    EXPECT_EQ(c.size(), n / 2);
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, RpcTest, ::testing::ValuesIn(Providers()),
