@@ -184,6 +184,13 @@ class Connection {
   // Copies into a pooled registered buffer (small) or sends from the
   // caller's memory (large; registered through the Worker's cache). The
   // bytes must stay valid until the returned Task completes.
+  // Cancelling (the awaiting coroutine's stop token) a Send still waiting
+  // for its turn, a credit or a buffer ends it with Cancelled, nothing
+  // sent. Once an eager message is posted it goes anyway -- a NIC cannot
+  // take a work request back, and failing the QP to withdraw it would end
+  // the connection for every caller -- so the Send waits for its
+  // completion and reports it. A cancelled rendezvous tells the receiver
+  // to drop it (cm/README.md).
   Task<absl::Status> Send(std::span<const std::byte> payload);
   // The same for text. (Pass a named string, not a temporary, inside a
   // co_await expression: gcc 12 destroys such temporaries twice.)
