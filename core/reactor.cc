@@ -437,14 +437,7 @@ int Reactor::RunReady() {
   internal::Trampoline& t = internal::tls_trampoline;
   internal::Trampoline saved = t;
   t.active = true;
-  for (std::coroutine_handle<> h : running_) {
-    t.next = h;
-    while (t.next) {
-      std::coroutine_handle<> c = t.next;
-      t.next = nullptr;
-      c.resume();
-    }
-  }
+  for (std::coroutine_handle<> h : running_) internal::RunOnTrampoline(t, h);
   t = saved;
   running_.clear();
   return n;

@@ -57,17 +57,23 @@ inline std::coroutine_handle<> TransferTo(std::coroutine_handle<> h) noexcept {
   return h;
 }
 
-// Resumes `h` and every coroutine it transfers to, with O(1) stack.
-inline void ResumeOnTrampoline(std::coroutine_handle<> h) {
-  Trampoline& t = tls_trampoline;
-  Trampoline saved = t;
-  t.active = true;
+// On an active trampoline `t`: resumes `h` and every coroutine it
+// transfers to, with O(1) stack.
+inline void RunOnTrampoline(Trampoline& t, std::coroutine_handle<> h) {
   t.next = h;
   while (t.next) {
     std::coroutine_handle<> c = t.next;
     t.next = nullptr;
     c.resume();
   }
+}
+
+// Resumes `h` and every coroutine it transfers to, with O(1) stack.
+inline void ResumeOnTrampoline(std::coroutine_handle<> h) {
+  Trampoline& t = tls_trampoline;
+  Trampoline saved = t;
+  t.active = true;
+  RunOnTrampoline(t, h);
   t = saved;
 }
 
