@@ -55,6 +55,18 @@ class LandingTest : public CmTest {
     co_return m;
   }
 
+  // A kLanded header as a peer would send it (a plain SEND of these bytes).
+  static std::vector<std::byte> LandedHeader(uint32_t length,
+                                             uint32_t grant) {
+    internal::WireHeader h{};
+    h.type = internal::kLanded;
+    h.length = length;
+    h.cookie = grant;
+    std::vector<std::byte> raw(internal::kHeaderSize);
+    std::memcpy(raw.data(), &h, internal::kHeaderSize);
+    return raw;
+  }
+
   // Sends one medium message (which takes the rendezvous and makes `to`
   // grant landing buffers), receives it, and waits (bounded) until `from`
   // holds `grants` of them (grants by memory window come 16 per credit
@@ -262,12 +274,7 @@ TEST_P(LandingTest, LandedHeaderNamingNoGrantFailsOnlyThatConnection) {
     auto good = co_await t->MakePair();
     CO_ASSERT_OK(good);
     // A raw kLanded header on the QP, though nothing was granted.
-    internal::WireHeader h{};
-    h.type = internal::kLanded;
-    h.length = 20000;
-    h.cookie = 12345;
-    std::vector<std::byte> raw(internal::kHeaderSize);
-    std::memcpy(raw.data(), &h, internal::kHeaderSize);
+    std::vector<std::byte> raw = LandedHeader(20000, 12345);
     CO_ASSERT_OK(co_await SendRaw(*bad->client, raw));
     auto m = co_await bad->server->Recv();
     EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
@@ -306,12 +313,7 @@ TEST_P(LandingTest, LandedHeaderThatKeepsItsWindowOpenFailsOnlyThatConnection) {
     std::vector<std::byte> data = Pattern(20000, 0x21);
     CO_ASSERT_OK(co_await bad->client->Write(
         std::span<const std::byte>(data), {g.addr, data.size(), g.rkey}));
-    internal::WireHeader h{};
-    h.type = internal::kLanded;
-    h.length = 20000;
-    h.cookie = 0;
-    std::vector<std::byte> raw(internal::kHeaderSize);
-    std::memcpy(raw.data(), &h, internal::kHeaderSize);
+    std::vector<std::byte> raw = LandedHeader(20000, 0);
     CO_ASSERT_OK(co_await SendRaw(*bad->client, raw));
     auto m = co_await bad->server->Recv();
     EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();

@@ -20,16 +20,20 @@ using conformance::Providers;
 
 class MemoryWindowTest : public ConformanceTest {
  protected:
-  // b binds `window` over all of `target` (registered on b with MW_BIND
-  // only) and announces it to a in a SEND behind the bind, as cm's credit
-  // messages do; returns the rkey a received.
-  absl::StatusOr<uint32_t> BindAndAnnounce(MemoryWindow& window, Mem& target) {
+  // b binds `window` over `range` of `target` (all of it by default;
+  // registered on b with MW_BIND only) and announces it to a in a SEND
+  // behind the bind, as cm's credit messages do; returns the rkey a
+  // received.
+  absl::StatusOr<uint32_t> BindAndAnnounce(MemoryWindow& window, Mem& target,
+                                           size_t range = 0) {
     Mem note_b = Reg(pd_b_.get(), 8), note_a = Reg(pd_a_.get(), 8);
     absl::StatusOr<WorkCompletion> recv;
     SpawnRecv(a_.get(), note_a.Local(), &recv);
     SendBatch batch;
+    std::span<std::byte> bytes(target.bytes);
+    if (range != 0) bytes = bytes.first(range);
     uint32_t rkey =
-        batch.AddBind(window, target.mr, target.bytes, IBV_ACCESS_REMOTE_WRITE);
+        batch.AddBind(window, target.mr, bytes, IBV_ACCESS_REMOTE_WRITE);
     std::memcpy(note_b.bytes.data(), &rkey, sizeof(rkey));
     batch.AddSend(note_b.Local(0, sizeof(rkey)));
     auto posted = Run(Await(b_->PostBatch(batch)));
@@ -101,19 +105,10 @@ TEST_P(MemoryWindowTest, WindowDoesNotReachBeyondItsRange) {
   auto window = pd_b_->AllocateWindow();
   ASSERT_TRUE(window.ok()) << window.status();
   // Bind over the first half only.
-  Mem note_b = Reg(pd_b_.get(), 8), note_a = Reg(pd_a_.get(), 8);
-  absl::StatusOr<WorkCompletion> recv;
-  SpawnRecv(a_.get(), note_a.Local(), &recv);
-  SendBatch batch;
-  uint32_t rkey = batch.AddBind(*window, target.mr,
-                                std::span<std::byte>(target.bytes.data(), 4096),
-                                IBV_ACCESS_REMOTE_WRITE);
-  batch.AddSend(note_b.Local());
-  ASSERT_TRUE(Run(Await(b_->PostBatch(batch))).ok());
-  WaitFor(&recv);
-  ASSERT_TRUE(recv.ok()) << recv.status();
+  auto rkey = BindAndAnnounce(*window, target, 4096);
+  ASSERT_TRUE(rkey.ok()) << rkey.status();
   RemoteRegion beyond{reinterpret_cast<uint64_t>(target.bytes.data()) + 2048,
-                      4096, rkey};
+                      4096, *rkey};
   auto w = Run(Await(a_->Write(src.Local(0, 4096), beyond)));
   if (!model().window_range_enforced) {
     // A device defect (ErrorModel::window_range_enforced): the WRITE lands
