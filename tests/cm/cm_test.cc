@@ -365,6 +365,7 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
     absl::Status server_status = absl::UnknownError("not run");
     auto srv = [](Listener* l, Reactor* other, Worker* octx, Event* done,
                   absl::Status* out) -> Task<void> {
+      Reactor* home = Reactor::Current();
       auto req = co_await l->Next();
       if (!req.ok()) {
         *out = req.status();
@@ -372,12 +373,16 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
         co_return;
       }
       // Hand the request to the other reactor; it accepts and echoes there.
+      // `done` belongs to the home reactor: an Event is set on its own
+      // thread (set from here, the waiter could finish and free it while
+      // Set still touched it).
       auto on_other = [](std::unique_ptr<ConnectRequest> req, Worker* octx,
-                         Event* done, absl::Status* out) -> Task<void> {
+                         Reactor* home, Event* done,
+                         absl::Status* out) -> Task<void> {
         auto c = co_await req->Accept(*octx);
         if (!c.ok()) {
           *out = c.status();
-          done->Set();
+          home->Post([done] { done->Set(); });
           co_return;
         }
         auto m = co_await (*c)->Recv();
@@ -393,9 +398,9 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
         // Let the connection's internal tasks end on this reactor before
         // the test tears its Worker down.
         for (int i = 0; i < 50; ++i) co_await Reactor::Current()->Yield();
-        done->Set();
+        home->Post([done] { done->Set(); });
       };
-      other->Spawn(on_other(*std::move(req), octx, done, out));
+      other->Spawn(on_other(*std::move(req), octx, home, done, out));
     };
     t->reactor_->Spawn(srv(ln->get(), other, octx, &served, &server_status));
     auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port());
