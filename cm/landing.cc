@@ -64,9 +64,9 @@ Task<absl::Status> ConnectionImpl::SendBig(
 
 Task<absl::StatusOr<transport::BufferPool::Buffer>>
 ConnectionImpl::GetLandingStaging() {
+  // SendLanded tried TryGet already: wait for one.
   auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers);
   if (!pool.ok()) co_return pool.status();
-  if (auto b = (*pool)->TryGet()) co_return std::move(*b);
   co_return co_await (*pool)->Get();
 }
 
@@ -185,7 +185,6 @@ LargeBuffer* ConnectionImpl::NewLandingBuffer() {
   auto* lb = new LargeBuffer();
   lb->size = size;
   lb->cache = SharedOf(ctx_).landing_memory;
-  lb->keeps_registration = true;
   LargeMemoryCache::Block block = lb->cache->Get(size);
   lb->mem = block.mem;
   lb->capacity = block.capacity;

@@ -6,8 +6,10 @@
 
 namespace coverbs::cm::internal {
 
-LargeMemoryCache::LargeMemoryCache(size_t max_idle_bytes)
-    : max_idle_bytes_(max_idle_bytes) {}
+LargeMemoryCache::LargeMemoryCache(size_t max_idle_bytes,
+                                   bool keep_registrations)
+    : max_idle_bytes_(max_idle_bytes),
+      keep_registrations_(keep_registrations) {}
 
 LargeMemoryCache::~LargeMemoryCache() {
   for (auto& list : free_) {
@@ -43,6 +45,7 @@ LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
 
 void LargeMemoryCache::Put(Block b) {
   if (b.mem == nullptr) return;
+  if (!keep_registrations_) b.mr.Deregister();
   {
     std::lock_guard<std::mutex> l(mu_);
     if (idle_bytes_ + b.capacity <= max_idle_bytes_) {

@@ -33,13 +33,17 @@ class LargeMemoryCache {
   struct Block {
     std::byte* mem = nullptr;  // nullptr: out of memory
     size_t capacity = 0;
-    // The block's registration, when its user keeps one with it (Put
-    // stores it; a block freed beyond the cap is deregistered first).
+    // The block's registration, in a cache that keeps them (Put stores
+    // it; a block freed beyond the cap is deregistered first).
     transport::MemoryRegion mr;
   };
 
   // Keeps at most max_idle_bytes of unused blocks; beyond that, Put frees.
-  explicit LargeMemoryCache(size_t max_idle_bytes);
+  // A cache made with keep_registrations stores a block's registration
+  // with it; any other deregisters what Put is given (a rendezvous
+  // buffer's rkey ends with its transfer).
+  explicit LargeMemoryCache(size_t max_idle_bytes,
+                            bool keep_registrations = false);
   ~LargeMemoryCache();
   LargeMemoryCache(const LargeMemoryCache&) = delete;
 
@@ -56,6 +60,7 @@ class LargeMemoryCache {
   static constexpr int kClasses = 64 - kMinShift;
 
   const size_t max_idle_bytes_;
+  const bool keep_registrations_;
   mutable std::mutex mu_;
   size_t idle_bytes_ = 0;
   std::vector<Block> free_[kClasses];

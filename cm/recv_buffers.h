@@ -81,12 +81,12 @@ struct LargeBuffer final : MessageBuffer {
   size_t capacity = 0;
   // A landing grant by memory window (landing.cc): `window` gives the peer
   // access for one message, and `mr` is the block's lasting registration
-  // (local write and MW_BIND only), which goes back to `cache` with it.
+  // (local write and MW_BIND only), which goes back to `cache` with it
+  // (the Worker's landing cache keeps registrations; the rendezvous cache
+  // deregisters them).
   transport::MemoryWindow window;
-  bool keeps_registration = false;
   ~LargeBuffer() {
     window = {};  // ends the peer's access before the memory is reused
-    if (!keeps_registration) mr.Deregister();
     cache->Put({mem, capacity, std::move(mr)});
   }
   void Release() override { delete this; }

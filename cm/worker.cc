@@ -60,7 +60,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   // grant), not the rendezvous cache's 64 MiB.
   constexpr size_t kMaxIdleLandingBytes = 8 << 20;
   ctx->shared_->landing_memory = std::make_shared<internal::LargeMemoryCache>(
-      std::min(options.rendezvous_cache_bytes, kMaxIdleLandingBytes));
+      std::min(options.rendezvous_cache_bytes, kMaxIdleLandingBytes),
+      /*keep_registrations=*/true);
   return ctx;
 }
 

@@ -65,7 +65,7 @@ TEST(LargeMemoryCacheTest, KeepsARegistrationWithItsBlock) {
   ASSERT_TRUE(device.ok()) << device.status();
   auto pd = (*device)->AllocPd();
   ASSERT_TRUE(pd.ok()) << pd.status();
-  LargeMemoryCache cache(64 * 1024);
+  LargeMemoryCache cache(64 * 1024, /*keep_registrations=*/true);
   LargeMemoryCache::Block a = cache.Get(65536);
   auto mr = (*pd)->Register(a.mem, a.capacity, IBV_ACCESS_LOCAL_WRITE);
   ASSERT_TRUE(mr.ok()) << mr.status();
@@ -84,6 +84,27 @@ TEST(LargeMemoryCacheTest, KeepsARegistrationWithItsBlock) {
   EXPECT_FALSE(fresh.mr.valid());
   cache.Put(std::move(again));
   cache.Put(std::move(fresh));
+}
+
+// Rendezvous memory: the cache deregisters what it is given, so that no
+// rkey outlives its transfer however the buffer's owner let go of it.
+TEST(LargeMemoryCacheTest, DropsRegistrationsUnlessItKeepsThem) {
+  auto device =
+      transport::Device::Open({.kind = transport::ProviderKind::kSoft});
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto pd = (*device)->AllocPd();
+  ASSERT_TRUE(pd.ok()) << pd.status();
+  LargeMemoryCache cache(1 << 20);
+  LargeMemoryCache::Block a = cache.Get(65536);
+  auto mr = (*pd)->Register(a.mem, a.capacity, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  a.mr = *std::move(mr);
+  std::byte* const mem = a.mem;
+  cache.Put(std::move(a));
+  LargeMemoryCache::Block again = cache.Get(65536);
+  EXPECT_EQ(again.mem, mem);
+  EXPECT_FALSE(again.mr.valid());
+  cache.Put(std::move(again));
 }
 
 }  // namespace
