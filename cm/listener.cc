@@ -347,7 +347,15 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
 }
 
 Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
-  std::shared_ptr<ListenerState> st = state_;
+  return NextOn(state_);
+}
+
+Task<absl::StatusOr<std::unique_ptr<Connection>>> Listener::Accept() {
+  return AcceptOn(state_);
+}
+
+Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::NextOn(
+    std::shared_ptr<ListenerState> st) {
   for (;;) {
     if (!st->ready.empty()) {
       std::unique_ptr<ConnectRequestState> req = std::move(st->ready.front());
@@ -366,19 +374,20 @@ Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::Next() {
   }
 }
 
-Task<absl::StatusOr<std::unique_ptr<Connection>>> Listener::Accept() {
+Task<absl::StatusOr<std::unique_ptr<Connection>>> Listener::AcceptOn(
+    std::shared_ptr<ListenerState> st) {
   for (;;) {
-    auto next = Next();
+    auto next = NextOn(st);
     auto req = co_await std::move(next);
     if (!req.ok()) co_return req.status();
-    if (state_->options.admit) {
-      absl::Status s = state_->options.admit((*req)->peer());
+    if (st->options.admit) {
+      absl::Status s = st->options.admit((*req)->peer());
       if (!s.ok()) {
         (*req)->Reject(std::string(s.message())).IgnoreError();
         continue;
       }
     }
-    auto accept = (*req)->Accept(*state_->ctx);
+    auto accept = (*req)->Accept(*st->ctx);
     auto conn = co_await std::move(accept);
     // One failed setup (the peer gave up, say) does not stop the listener.
     if (!conn.ok()) continue;

@@ -103,7 +103,9 @@ class Listener {
   // Next(), options.admit, then Accept on the listener's Worker.
   Task<absl::StatusOr<std::unique_ptr<Connection>>> Accept();
 
-  // Stops listening; pending Next()/Accept() resume with Cancelled.
+  // Stops listening; pending Next()/Accept() resume with Cancelled. So does
+  // destroying the Listener: a Next()/Accept() started before may still be
+  // awaited (they hold the listener's state, not the Listener).
   void Close();
 
   struct Stats {
@@ -124,6 +126,12 @@ class Listener {
 
  private:
   explicit Listener(std::shared_ptr<internal::ListenerState> s);
+  // Next() and Accept(): coroutines on the state alone, so that a Listener
+  // destroyed while they wait is never touched when they resume.
+  static Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> NextOn(
+      std::shared_ptr<internal::ListenerState> st);
+  static Task<absl::StatusOr<std::unique_ptr<Connection>>> AcceptOn(
+      std::shared_ptr<internal::ListenerState> st);
   // Shared with the background tasks reading handshakes.
   std::shared_ptr<internal::ListenerState> state_;
 };

@@ -363,5 +363,42 @@ TEST_F(ListenerTest, RunningOutOfFileDescriptorsNeverEndsTheListener) {
   }());
 }
 
+// A Listener destroyed while Accept() and Next() wait for requests, and with
+// one Accept() created but not started yet: each completes with Cancelled
+// and none touches the destroyed Listener (the ASan run checks that; they
+// used to resume into it).
+TEST_F(ListenerTest, DestroyedWhileAcceptWaitsCompletesCancelled) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    absl::Status results[3] = {absl::UnknownError("not run"),
+                               absl::UnknownError("not run"),
+                               absl::UnknownError("not run")};
+    int done = 0;
+    auto take = [](auto task, absl::Status* out, int* done) -> Task<void> {
+      auto r = co_await std::move(task);
+      *out = r.status();
+      ++*done;
+    };
+    reactor_->Spawn(take((*ln)->Accept(), &results[0], &done));
+    reactor_->Spawn(take((*ln)->Next(), &results[1], &done));
+    co_await reactor_->Sleep(absl::Milliseconds(20));  // both wait now
+    EXPECT_EQ(done, 0);
+    auto late = (*ln)->Accept();
+    ln->reset();
+    reactor_->Spawn(take(std::move(late), &results[2], &done));
+    for (int i = 0; i < 500 && done < 3; ++i) {
+      co_await reactor_->Sleep(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(done, 3);
+    for (const absl::Status& s : results) {
+      EXPECT_TRUE(absl::IsCancelled(s)) << s;
+    }
+  }());
+}
+
 }  // namespace
 }  // namespace coverbs::cm
