@@ -17,6 +17,12 @@
 namespace coverbs::transport::soft {
 namespace {
 
+// How often reactors that receive for their QPs are checked for having
+// stopped turning (CheckReactors).
+constexpr auto kReactorCheck = std::chrono::milliseconds(10);
+// The timer id of that check (connection ids start at 1).
+constexpr uint64_t kReactorCheckId = 0;
+
 // io_uring user_data: (connection id << 3) | tag.
 constexpr uint64_t kTagIgnore = 0;
 constexpr uint64_t kTagWake = 1;
@@ -239,6 +245,62 @@ void Engine::AddTimer(QpCore* qp, SteadyTime when) {
   timers_.push(Timer{when, qp->id()});
 }
 
+void Engine::WatchReactorRx() {
+  if (reactor_check_armed_) return;
+  reactor_check_armed_ = true;
+  timers_.push(
+      Timer{std::chrono::steady_clock::now() + kReactorCheck, kReactorCheckId});
+}
+
+void Engine::CheckReactors() {
+  // A reactor that receives for its QPs does so only while it turns: it
+  // sleeps on the CQ's fd and wakes for their data, but a thread stuck
+  // elsewhere (a blocking call, a loop that stopped running while its QPs
+  // live on) would leave the peers without ACKs. A CQ whose reactor has not
+  // turned since the last check has its ready sockets received here
+  // instead; one no longer driven at all gives its QPs back to this thread.
+  reactor_check_armed_ = false;
+  enum Verdict { kFine, kTakeReady, kGiveBack };
+  absl::flat_hash_map<CqCore*, Verdict> seen;
+  std::vector<uint64_t> ready;
+  bool any = false;
+  for (auto& [id, qp] : conns_) {
+    if (!qp->reactor_rx_) continue;
+    CqCore* cq = qp->cfg_.recv_cq.get();
+    auto [it, fresh] = seen.try_emplace(cq, kFine);
+    if (fresh) {
+      if (!cq->driven()) {
+        it->second = kGiveBack;
+      } else {
+        uint64_t beat = cq->heartbeat();
+        auto [b, first] = rx_beats_.try_emplace(cq, beat);
+        if (!first && b->second == beat) {
+          it->second = kTakeReady;
+          cq->TakeReady(&ready);
+        }
+        b->second = beat;
+      }
+    }
+    if (it->second == kGiveBack) {
+      qp->TakeBackRx();
+    } else {
+      any = true;
+    }
+  }
+  for (auto it = rx_beats_.begin(); it != rx_beats_.end();) {
+    if (seen.contains(it->first)) {
+      ++it;
+    } else {
+      rx_beats_.erase(it++);
+    }
+  }
+  for (uint64_t id : ready) {
+    auto it = conns_.find(id);
+    if (it != conns_.end()) it->second->OnReadable();
+  }
+  if (any) WatchReactorRx();
+}
+
 void Engine::ArmWake() {
   if (wake_armed_) return;
   io_uring_sqe* sqe = Sqe();
@@ -300,6 +362,10 @@ void Engine::FireTimers() {
   while (!timers_.empty() && timers_.top().when <= now) {
     uint64_t id = timers_.top().id;
     timers_.pop();
+    if (id == kReactorCheckId) {
+      CheckReactors();
+      continue;
+    }
     auto it = conns_.find(id);
     if (it != conns_.end()) it->second->OnTimer(now);
   }

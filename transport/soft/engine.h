@@ -55,6 +55,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void WatchOut(QpCore* qp);
   void Unwatch(QpCore* qp);
   void AddTimer(QpCore* qp, SteadyTime when);
+  // A QP now receives on its receive CQ's reactor (QpCore::EnterReactorRx):
+  // starts the periodic check of such reactors (CheckReactors).
+  void WatchReactorRx();
   char* discard_buffer() { return discard_.get(); }
   static constexpr size_t kDiscardSize = 64 * 1024;
 
@@ -70,6 +73,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool DrainInbox();
   void FireTimers();
   void ServiceActive();
+  void CheckReactors();
   void ArmWake();
   io_uring_sqe* Sqe();
   void Stop();
@@ -107,6 +111,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
   std::unique_ptr<char[]> discard_;
   bool stop_ = false;
+  // CheckReactors: armed (a timer with id 0), and each driven CQ's
+  // heartbeat at the last check.
+  bool reactor_check_armed_ = false;
+  absl::flat_hash_map<CqCore*, uint64_t> rx_beats_;
 };
 
 }  // namespace coverbs::transport::soft

@@ -62,7 +62,7 @@ void QpCore::Connect(int fd) {
   rbuf_ = std::make_unique_for_overwrite<char[]>(kRbufSize);
   arena_ = std::make_unique_for_overwrite<char[]>(kArenaSize);
   segs_.resize(kMaxSegs);
-  engine_->WatchIn(this);
+  EnterReactorRx();
   engine_->Activate(this);
 }
 
@@ -70,12 +70,23 @@ void QpCore::OnKick() {
   kicked_.store(false);
   std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
+  if (timers_owed_) {
+    // Set by a thread receiving inline, which cannot touch the timer heap.
+    timers_owed_ = false;
+    if (rnr_wait_) engine_->AddTimer(this, rnr_until_);
+    if (err_ && !closed_) engine_->AddTimer(this, close_deadline_);
+  }
   if (error_requested_.load() && !err_) {
     EnterError(Cause::kLocalRequest, "moved to the error state by SetError");
   }
   if (err_) {
+    // Draining until the peer closes needs the io_uring poll.
+    if (reactor_rx_) LeaveReactorRx();
     FlushRq();
     if (nsegs_ == 0) FlushSq();
+    // An error entered inline has not run the transmit side (DISCONNECT,
+    // flushing, shutdown) yet.
+    engine_->Activate(this);
     return;
   }
   // A poster that sent the first outstanding request inline could not arm
@@ -117,6 +128,7 @@ void QpCore::Destroy() {
       ssize_t n = send(fd_, buf, sizeof(buf), MSG_DONTWAIT | MSG_NOSIGNAL);
       (void)n;
     }
+    if (reactor_rx_) LeaveReactorRx(/*watch=*/false);
     engine_->Unwatch(this);
     close(fd_);
     fd_ = -1;
@@ -155,8 +167,8 @@ void QpCore::EnterError(Cause cause, const std::string& why) {
   c.op = wire::kDisconnect;
   ctrl_.push_back(std::move(c));
   close_deadline_ = std::chrono::steady_clock::now() + kCloseTimeout;
-  engine_->AddTimer(this, close_deadline_);
-  engine_->Activate(this);
+  AddTimer(close_deadline_);
+  Activate();
 }
 
 void QpCore::FlushRq() {
@@ -188,6 +200,7 @@ void QpCore::FlushSq() {
 
 void QpCore::CloseNow() {
   if (fd_ >= 0) {
+    if (reactor_rx_) LeaveReactorRx(/*watch=*/false);
     engine_->Unwatch(this);
     close(fd_);
     fd_ = -1;

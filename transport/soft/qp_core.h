@@ -104,6 +104,14 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
     return state_.compare_exchange_strong(expected, IBV_QPS_RTS);
   }
 
+  // ---- The reactor that drives the QP's receive CQ, from its GetEvents
+  // (CqCore), when the socket became readable: receives what is there and
+  // produces the completions on this thread; the ACKs and responses that
+  // owes go out with the thread's post batch (or inline at once outside
+  // one). Whatever needs the progress thread (an error, a timer, a backlog)
+  // is left to it through a kick.
+  void RxInline();
+
   // ---- Progress thread. Each of these takes progress_mu_.
   void Connect(int fd);
   void OnKick();
@@ -112,6 +120,8 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void OnReadable();
   void OnWritable();
   void Destroy();
+  // The receive CQ's reactor is gone: the io_uring poll takes over.
+  void TakeBackRx();
 
  private:
   friend class Engine;
@@ -182,6 +192,21 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // (nothing was tried, or a backlog, EAGAIN, an error or a timer to arm is
   // left for it): the caller kicks.
   bool TxInline();
+
+  // Progress thread or a thread inside RxInline / TxInline (inline_): what
+  // the engine would do. Inline, Activate asks for the poster's transmit
+  // (want_tx_: ACKs, responses, requests the ACKs let through) and
+  // AddTimer leaves the timer to the progress thread (OnKick re-adds it).
+  void Activate();
+  void AddTimer(SteadyTime when);
+  // Progress thread: receive notifications from the receive CQ's reactor
+  // instead of the io_uring poll (Connect), and back (error, CQ no longer
+  // driven; `watch` false: the socket is being closed).
+  void EnterReactorRx();
+  void LeaveReactorRx(bool watch = true);
+  // After RxInline: the QP's transmit joins this thread's post batch, or
+  // runs now outside one. `engine` keeps the engine alive meanwhile.
+  void DeferTx(std::shared_ptr<Engine> engine);
 
   // Progress thread: receive.
   void DoRx();
@@ -262,11 +287,20 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // Fields the engine also reads unlocked (fd_, removed_) are written only by
   // the progress thread. Lock order: progress_mu_ -> mu_ -> CQ mutexes.
   std::mutex progress_mu_;
-  // True while a poster runs the transmit code inline: paths that need the
-  // progress thread (io_uring polls, timers, the active list, errors) set
-  // need_engine_ instead of acting, and the poster kicks.
-  bool inline_tx_ = false;
+  // True while another thread runs the transmit (TxInline) or receive
+  // (RxInline) code: paths that need the progress thread (io_uring polls,
+  // timers, the active list, errors, closing) set need_engine_ instead of
+  // acting, and that thread kicks.
+  bool inline_ = false;
   bool need_engine_ = false;
+  bool want_tx_ = false;      // inline receive queued something to send
+  bool timers_owed_ = false;  // an inline AddTimer left it to OnKick
+  // The socket's readiness goes to the receive CQ's reactor (CqCore::AddRx),
+  // not to the progress thread's io_uring poll.
+  bool reactor_rx_ = false;
+  // End of stream (-1) or the errno that an inline receive met, for the
+  // progress thread to act on.
+  int rx_fault_ = 0;
 
   // ---- Progress thread (or an inline poster, see above).
   int fd_ = -1;

@@ -226,6 +226,16 @@ void QpCore::FlushDeferred() {
   if (!TxInline()) Kick();
 }
 
+void QpCore::DeferTx(std::shared_ptr<Engine> engine) {
+  if (t_batch.depth > 0) {
+    if (!deferred_.exchange(true)) {
+      t_batch.qps.push_back(DeferredQp{shared_from_this(), std::move(engine)});
+    }
+    return;
+  }
+  FlushDeferred();
+}
+
 void BeginPostBatch() { ++t_batch.depth; }
 
 void EndPostBatch() {

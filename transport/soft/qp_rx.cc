@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_format.h"
 #include "transport/soft/engine.h"
@@ -21,12 +22,27 @@ namespace {
 constexpr size_t kDirectMin = 4096;  // payload read straight to target
 constexpr size_t kRxBudget = 4 * 1024 * 1024;  // bytes per QP per iteration
 
+// Where discarded payloads go: per thread, since a reactor thread receiving
+// inline (RxInline) and the progress thread may discard at the same time.
+char* DiscardBuffer() {
+  thread_local std::unique_ptr<char[]> buf;
+  if (!buf) buf = std::make_unique_for_overwrite<char[]>(Engine::kDiscardSize);
+  return buf.get();
+}
+
 }  // namespace
 
 bool QpCore::RecvResult(ssize_t n) {
   if (n > 0) {
     NoteProgress();
     return true;
+  }
+  if (inline_ && (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK))) {
+    // End of stream, an error, EINTR: the progress thread acts on it (the
+    // error state and closing are its own).
+    rx_fault_ = n == 0 ? -1 : errno == EINTR ? 0 : errno;
+    need_engine_ = true;
+    return false;
   }
   if (n == 0) {
     if (err_) {
@@ -41,7 +57,7 @@ bool QpCore::RecvResult(ssize_t n) {
     return false;
   }
   if (errno == EINTR) {
-    engine_->Activate(this);  // try again next iteration
+    Activate();  // try again next iteration
     return false;
   }
   if (err_) {
@@ -56,18 +72,33 @@ void QpCore::DrainAfterError() {
   // After the error transition nothing more is parsed: bytes are read and
   // dropped until the peer closes (or the close timer fires).
   for (int i = 0; i < 64 && rx_ready_ && fd_ >= 0; ++i) {
-    ssize_t n = recv(fd_, engine_->discard_buffer(), Engine::kDiscardSize,
-                     MSG_DONTWAIT);
+    ssize_t n = recv(fd_, DiscardBuffer(), Engine::kDiscardSize, MSG_DONTWAIT);
     if (!RecvResult(n)) return;
   }
   if (rx_ready_) engine_->Activate(this);
 }
 
 void QpCore::DoRx() {
+  if (rx_fault_ != 0 && !inline_) {
+    // What an inline receive met: act on it now.
+    errno = rx_fault_ > 0 ? rx_fault_ : 0;
+    ssize_t n = rx_fault_ > 0 ? -1 : 0;
+    rx_fault_ = 0;
+    RecvResult(n);
+    return;
+  }
   size_t budget = kRxBudget;
-  while (rx_ready_ && fd_ >= 0) {
+  // rx_ready_ says the socket may hold more; a read that returns less than
+  // it asked for drained it (anything later raises a new poll event), so
+  // it is not asked again just to hear EAGAIN. Frames already in the
+  // staging buffer are parsed either way.
+  while (fd_ >= 0 && rx_fault_ == 0) {
     if (err_) {
-      DrainAfterError();
+      if (inline_) {
+        need_engine_ = true;  // draining after an error: the engine's
+        return;
+      }
+      if (rx_ready_) DrainAfterError();
       return;
     }
     if (!in_payload_) {
@@ -77,15 +108,16 @@ void QpCore::DoRx() {
         StartFrame(h);
         continue;
       }
-      if (budget == 0) break;
+      if (!rx_ready_ || budget == 0) break;
       if (rpos_ > 0) {
         std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
         rend_ -= rpos_;
         rpos_ = 0;
       }
-      ssize_t n =
-          recv(fd_, rbuf_.get() + rend_, kRbufSize - rend_, MSG_DONTWAIT);
-      if (!RecvResult(n)) return;
+      size_t want = kRbufSize - rend_;
+      ssize_t n = recv(fd_, rbuf_.get() + rend_, want, MSG_DONTWAIT);
+      if (!RecvResult(n)) break;
+      if (static_cast<size_t>(n) < want) rx_ready_ = false;
       rend_ += n;
       budget -= std::min<size_t>(budget, n);
       continue;
@@ -102,7 +134,7 @@ void QpCore::DoRx() {
       }
       continue;
     }
-    if (budget == 0) break;
+    if (!rx_ready_ || budget == 0) break;
     rpos_ = rend_ = 0;
     ssize_t n;
     if (pay_left_ >= kDirectMin) {
@@ -111,13 +143,16 @@ void QpCore::DoRx() {
       iovec iov[kMaxSge + 1];
       size_t covered = 0;
       int niov = DestIov(iov, kMaxSge, &covered);
+      size_t want = covered;
       if (covered == pay_left_) {
         iov[niov].iov_base = rbuf_.get();
         iov[niov].iov_len = kRbufSize;
         ++niov;
+        want += kRbufSize;
       }
       n = readv(fd_, iov, niov);
-      if (!RecvResult(n)) return;
+      if (!RecvResult(n)) break;
+      if (static_cast<size_t>(n) < want) rx_ready_ = false;
       size_t placed = std::min<uint64_t>(n, pay_left_);
       AdvanceDest(placed);
       pay_left_ -= placed;
@@ -128,12 +163,21 @@ void QpCore::DoRx() {
       }
     } else {
       n = recv(fd_, rbuf_.get(), kRbufSize, MSG_DONTWAIT);
-      if (!RecvResult(n)) return;
+      if (!RecvResult(n)) break;
+      if (static_cast<size_t>(n) < kRbufSize) rx_ready_ = false;
       rend_ = n;
     }
     budget -= std::min<size_t>(budget, n);
   }
-  if (rx_ready_ && fd_ >= 0) engine_->Activate(this);
+  if (rx_ready_ && fd_ >= 0 && rx_fault_ == 0) {
+    // Budget spent: go round the loop first. Inline, the socket's edge was
+    // consumed, so the progress thread must go on reading.
+    if (inline_) {
+      need_engine_ = true;
+    } else {
+      engine_->Activate(this);
+    }
+  }
 }
 
 void QpCore::BeginPayload(RxKind kind, uint64_t len) {
@@ -192,7 +236,7 @@ int QpCore::DestIov(iovec* iov, int max, size_t* covered) {
     if (n > 0) return n;
     *covered = 0;
   }
-  iov[0].iov_base = engine_->discard_buffer();
+  iov[0].iov_base = DiscardBuffer();
   iov[0].iov_len = std::min<uint64_t>(pay_left_, Engine::kDiscardSize);
   *covered = iov[0].iov_len;
   return 1;

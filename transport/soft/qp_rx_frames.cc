@@ -46,7 +46,7 @@ uint8_t QpCore::CheckRemote(uint32_t rkey, uint64_t addr, uint64_t len,
 
 void QpCore::QueueCtrl(Ctrl c) {
   ctrl_.push_back(std::move(c));
-  engine_->Activate(this);
+  Activate();
 }
 
 void QpCore::QueueAck(uint64_t seq) {
@@ -166,7 +166,7 @@ void QpCore::StartFrame(const wire::Header& h) {
       rd_atomic_out_ = 0;
       rnr_wait_ = true;
       rnr_until_ = std::chrono::steady_clock::now() + RnrDelay(h.syndrome);
-      engine_->AddTimer(this, rnr_until_);
+      AddTimer(rnr_until_);
       return;
     }
     case wire::kReadResp:
@@ -408,7 +408,7 @@ void QpCore::FinishFrame() {
         EnterError(Cause::kFault,
                    "local buffer deregistered while a response landed in it");
       }
-      engine_->Activate(this);
+      Activate();
       return;
     }
   }

@@ -42,7 +42,7 @@ void QpCore::ArmAckTimer() {
   if (err_ || removed_ || ack_timer_armed_ || comp_ptr_ >= send_ptr_) return;
   auto t = AckTimeout();
   if (t.count() == 0) return;
-  if (inline_tx_) {
+  if (inline_) {
     need_engine_ = true;  // OnKick arms it
     return;
   }

@@ -87,7 +87,7 @@ bool QpCore::AckBefore(uint64_t end) {
     CompleteWqe(comp_ptr_, IBV_WC_SUCCESS);
   }
   PublishTail();
-  engine_->Activate(this);
+  Activate();
   return true;
 }
 
@@ -149,7 +149,7 @@ bool QpCore::Build() {
   bool fault = false;
   while (!ctrl_.empty() && room(1)) {
     Ctrl& c = ctrl_.front();
-    if (inline_tx_ && c.op == wire::kReadResp && c.len > 0 && !c.mr->Usable()) {
+    if (inline_ && c.op == wire::kReadResp && c.len > 0 && !c.mr->Usable()) {
       need_engine_ = true;  // the fault is the progress thread's to handle
       return nsegs_ > 0;
     }
@@ -200,7 +200,7 @@ bool QpCore::Build() {
       }
     }
     if (w.status != IBV_WC_SUCCESS) {
-      if (inline_tx_) {
+      if (inline_) {
         need_engine_ = true;  // completing it and the error state: engine
         break;
       }
@@ -289,7 +289,7 @@ bool QpCore::SendPending(size_t* budget) {
   for (size_t i = seg_idx_; i < nsegs_ && want < *budget; ++i) {
     const Seg& s = segs_[i];
     if (s.mr && !s.mr->Usable()) {
-      if (inline_tx_) {
+      if (inline_) {
         need_engine_ = true;
         return false;
       }
@@ -321,7 +321,7 @@ bool QpCore::SendPending(size_t* budget) {
   msg.msg_iov = iov;
   msg.msg_iovlen = n;
   ssize_t sent = sendmsg(fd_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-  if (sent < 0 && inline_tx_) {
+  if (sent < 0 && inline_) {
     // EAGAIN, EINTR or an error: the progress thread sends the batch (again)
     // and sees the same condition (POLLOUT, the error state).
     need_engine_ = true;
@@ -364,7 +364,7 @@ bool QpCore::SendPending(size_t* budget) {
     ResetTx();
     return true;
   }
-  if (inline_tx_) {
+  if (inline_) {
     // Budget spent or the socket full: the rest is the progress thread's
     // backlog (it arms POLLOUT if the socket is still full).
     need_engine_ = true;
@@ -393,11 +393,11 @@ bool QpCore::TxInline() {
   // Build and SendPending check each source region's valid flag before the
   // sendmsg reads it; the shared window makes deregistration wait for us.
   AccessEpoch::EnterShared();
-  inline_tx_ = true;
+  inline_ = true;
   need_engine_ = false;
   size_t budget = kTxBudget;
   if (Build()) SendPending(&budget);
-  inline_tx_ = false;
+  inline_ = false;
   AccessEpoch::ExitShared();
   // Left behind (no room in one batch, READ/atomic credit): the progress
   // thread goes on from there.

@@ -1,5 +1,6 @@
 #include "transport/soft/queues.h"
 
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -8,8 +9,18 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "transport/soft/qp_core.h"
 
 namespace coverbs::transport::soft {
+namespace {
+
+// The CQ whose GetEvents is receiving on this thread: its own pushes raise
+// no channel event (the caller polls right after).
+thread_local const CqCore* t_receiving = nullptr;
+
+constexpr int kReadyBatch = 64;  // epoll events taken per GetEvents
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // AsyncQueue
@@ -54,13 +65,59 @@ absl::StatusOr<std::shared_ptr<CqCore>> CqCore::Create(
     return absl::InternalError(absl::StrFormat(
         "soft: eventfd for a completion channel: %s", strerror(errno)));
   }
-  return std::shared_ptr<CqCore>(new CqCore(capacity, fd, std::move(async)));
+  int epfd = epoll_create1(EPOLL_CLOEXEC);
+  epoll_event ev{};
+  ev.events = EPOLLIN;  // level-triggered: readable exactly when fd is
+  ev.data.u64 = 0;      // engine ids start at 1
+  if (epfd < 0 || epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    absl::Status s = absl::InternalError(absl::StrFormat(
+        "soft: epoll for a completion channel: %s", strerror(errno)));
+    if (epfd >= 0) close(epfd);
+    close(fd);
+    return s;
+  }
+  return std::shared_ptr<CqCore>(
+      new CqCore(capacity, fd, epfd, std::move(async)));
 }
 
-CqCore::CqCore(int capacity, int fd, std::shared_ptr<AsyncQueue> async)
-    : fd_(fd), async_(std::move(async)), ring_(capacity) {}
+CqCore::CqCore(int capacity, int fd, int epfd,
+               std::shared_ptr<AsyncQueue> async)
+    : fd_(fd), epfd_(epfd), async_(std::move(async)), ring_(capacity) {}
 
-CqCore::~CqCore() { close(fd_); }
+CqCore::~CqCore() {
+  close(epfd_);
+  close(fd_);
+}
+
+bool CqCore::AddRx(uint64_t id, int fd, std::weak_ptr<QpCore> qp) {
+  {
+    std::lock_guard<std::mutex> lock(rx_mu_);
+    rx_[id] = std::move(qp);
+  }
+  rx_count_.fetch_add(1);
+  epoll_event ev{};
+  // Edge-triggered: each arrival wakes the reactor once; RxInline reads
+  // until the socket is drained (or leaves the rest to the progress thread).
+  ev.events = EPOLLIN | EPOLLET;
+  ev.data.u64 = id;
+  if (epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) == 0) return true;
+  RemoveRx(id, -1);
+  return false;
+}
+
+void CqCore::RemoveRx(uint64_t id, int fd) {
+  if (fd >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  std::lock_guard<std::mutex> lock(rx_mu_);
+  if (rx_.erase(id) > 0) rx_count_.fetch_sub(1);
+}
+
+void CqCore::TakeReady(std::vector<uint64_t>* ids) {
+  epoll_event evs[kReadyBatch];
+  int n = epoll_wait(epfd_, evs, kReadyBatch, 0);
+  for (int i = 0; i < n; ++i) {
+    if (evs[i].data.u64 != 0) ids->push_back(evs[i].data.u64);
+  }
+}
 
 bool CqCore::Push(const ibv_wc& wc) {
   bool signal = false;
@@ -76,7 +133,7 @@ bool CqCore::Push(const ibv_wc& wc) {
       ring_[head_ % ring_.size()] = wc;
       ++head_;
       count_.store(head_ - tail_, std::memory_order_release);
-      if (armed_) {
+      if (armed_ && t_receiving != this) {
         armed_ = false;
         signal = true;
       }
@@ -122,6 +179,37 @@ void CqCore::RequestNotify() {
 }
 
 int CqCore::GetEvents() {
+  // Whether the eventfd may hold events (always, when epoll did not say).
+  bool channel = true;
+  if (rx_count_.load(std::memory_order_relaxed) > 0) {
+    Beat();
+    epoll_event evs[kReadyBatch];
+    int n = epoll_wait(epfd_, evs, kReadyBatch, 0);
+    std::shared_ptr<QpCore> qps[kReadyBatch];
+    int nq = 0;
+    // The eventfd is level-triggered in the set: a full batch may have left
+    // it out, a shorter one reports it when it is readable.
+    channel = n == kReadyBatch;
+    if (n > 0) {
+      std::lock_guard<std::mutex> lock(rx_mu_);
+      for (int i = 0; i < n; ++i) {
+        if (evs[i].data.u64 == 0) {
+          channel = true;
+          continue;
+        }
+        auto it = rx_.find(evs[i].data.u64);
+        if (it == rx_.end()) continue;
+        if (std::shared_ptr<QpCore> qp = it->second.lock()) {
+          qps[nq++] = std::move(qp);
+        }
+      }
+    }
+    const CqCore* outer = t_receiving;
+    t_receiving = this;
+    for (int i = 0; i < nq; ++i) qps[i]->RxInline();
+    t_receiving = outer;
+  }
+  if (!channel) return 0;
   uint64_t v = 0;
   ssize_t n = read(fd_, &v, sizeof(v));
   if (n != sizeof(v)) return 0;

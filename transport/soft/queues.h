@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "transport/provider.h"
@@ -23,6 +24,8 @@
 namespace coverbs::transport::soft {
 
 inline constexpr uint32_t kMaxSge = 16;
+
+class QpCore;
 
 // Asynchronous events of one provider instance. fd() is a non-blocking
 // semaphore eventfd: readable while events are pending.
@@ -42,30 +45,80 @@ class AsyncQueue {
 };
 
 // A completion queue with verbs' completion-channel mechanics. Push is called
-// by the progress thread only; the rest by the application (any thread).
+// by whoever runs a QP's receive (the progress thread, or the reactor that
+// drives the QP's receive CQ, below); the rest by the application (any
+// thread).
+//
+// fd() is an epoll instance holding the channel's eventfd, so that it is
+// readable exactly when the eventfd is. A CQ that a reactor drives (its
+// BeginBatch was called: the reactor watches fd() and calls GetEvents
+// whenever it is readable) also gets the sockets of the QPs that receive
+// into it (edge-triggered): their data wakes the reactor directly, and
+// GetEvents receives it on the reactor's thread (QpCore::RxInline) instead
+// of the progress thread. Why: on the progress thread every message crossed
+// two threads (the progress thread's wake-up, then the CQ's eventfd wake-up
+// of the reactor), which cost most of a small message's CPU.
 class CqCore {
  public:
   static absl::StatusOr<std::shared_ptr<CqCore>> Create(
       int capacity, std::shared_ptr<AsyncQueue> async);
   ~CqCore();
 
-  int fd() const { return fd_; }
+  int fd() const { return epfd_; }
   int capacity() const { return static_cast<int>(ring_.size()); }
 
   // Appends a completion. On overrun the completion is dropped, the CQ is
-  // marked in error (once: IBV_EVENT_CQ_ERR) and false is returned.
+  // marked in error (once: IBV_EVENT_CQ_ERR) and false is returned. A push
+  // from inside this CQ's own GetEvents raises no channel event: the caller
+  // polls after GetEvents anyway.
   bool Push(const ibv_wc& wc);
 
   int Poll(int n, ibv_wc* out);
   void RequestNotify();
+  // Receives for the QPs whose sockets are ready (reactor-driven CQ), then
+  // consumes the channel events; returns their number (0 when only socket
+  // data woke the caller).
   int GetEvents();
   void AckEvents(unsigned n);
   uint64_t unacked_events() const;
 
- private:
-  CqCore(int capacity, int fd, std::shared_ptr<AsyncQueue> async);
+  // ---- Reactor receive (see above).
+  // The owning reactor's loop iteration (SoftCq::BeginBatch): marks the CQ
+  // driven. Its heartbeat counts the GetEvents calls that received.
+  void NoteDriven() {
+    if (!driven_.load(std::memory_order_relaxed)) driven_.store(true);
+  }
+  // The reactor let go of the CQ (SoftCq destroyed).
+  void Undrive() { driven_.store(false); }
+  bool driven() const { return driven_.load(std::memory_order_relaxed); }
+  uint64_t heartbeat() const {
+    return heartbeat_.load(std::memory_order_relaxed);
+  }
+  // Progress thread: adds / removes a connected QP's socket (with the QP's
+  // engine id). False if epoll refused it (the QP then stays with the
+  // progress thread).
+  bool AddRx(uint64_t id, int fd, std::weak_ptr<QpCore> qp);
+  void RemoveRx(uint64_t id, int fd);
+  // Progress thread, for a reactor that stopped turning: takes the ids of
+  // the QPs whose sockets became ready (instead of the reactor).
+  void TakeReady(std::vector<uint64_t>* ids);
 
-  const int fd_;
+ private:
+  CqCore(int capacity, int fd, int epfd, std::shared_ptr<AsyncQueue> async);
+
+  const int fd_;    // the channel's eventfd
+  const int epfd_;  // what fd() returns
+  // One writer (the driving reactor): no read-modify-write needed.
+  void Beat() {
+    heartbeat_.store(heartbeat_.load(std::memory_order_relaxed) + 1,
+                     std::memory_order_relaxed);
+  }
+
+  std::atomic<bool> driven_{false};
+  std::atomic<uint64_t> heartbeat_{0};
+  std::atomic<int> rx_count_{0};  // QPs in rx_
+  std::mutex rx_mu_;              // not held with any other lock
+  absl::flat_hash_map<uint64_t, std::weak_ptr<QpCore>> rx_;  // rx_mu_
   const std::shared_ptr<AsyncQueue> async_;
   mutable std::mutex mu_;
   std::vector<ibv_wc> ring_;

@@ -160,6 +160,9 @@ class SoftPd : public ProviderPd {
 class SoftCq : public ProviderCq {
  public:
   explicit SoftCq(std::shared_ptr<CqCore> core) : core_(std::move(core)) {}
+  // Nobody watches fd() any more: the progress thread takes back the
+  // receive of QPs still using the CQ.
+  ~SoftCq() override { core_->Undrive(); }
   int fd() const override { return core_->fd(); }
   int capacity() const override { return core_->capacity(); }
   int Poll(int n, ibv_wc* wc) override { return core_->Poll(n, wc); }
@@ -170,7 +173,12 @@ class SoftCq : public ProviderCq {
   int GetEvents() override { return core_->GetEvents(); }
   void AckEvents(unsigned n) override { core_->AckEvents(n); }
   // A reactor's loop iteration: see BeginPostBatch (qp_core.h).
-  void BeginBatch() override { BeginPostBatch(); }
+  // The reactor watches fd() from now on and calls GetEvents when it is
+  // readable: its QPs' data may wake it directly (CqCore).
+  void BeginBatch() override {
+    core_->NoteDriven();
+    BeginPostBatch();
+  }
   void EndBatch() override { EndPostBatch(); }
   const std::shared_ptr<CqCore>& core() const { return core_; }
 

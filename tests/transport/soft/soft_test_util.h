@@ -154,6 +154,15 @@ class SoftFixture : public ::testing::Test {
     pd_b_ = *provider_->AllocPd();
     cq_a_ = *provider_->CreateCq(16384);
     cq_b_ = *provider_->CreateCq(16384);
+#ifdef COVERBS_SOFT_TEST_DRIVEN_CQS
+    // The *_driven targets: both CQs are driven, as by a reactor, so the
+    // QPs connected to them receive on whoever calls GetEvents (PollN does)
+    // or, when nobody does, on the progress thread's periodic check.
+    for (ProviderCq* cq : {cq_a_.get(), cq_b_.get()}) {
+      cq->BeginBatch();
+      cq->EndBatch();
+    }
+#endif
   }
   void TearDown() override { pair_ = QpPair(); }
 

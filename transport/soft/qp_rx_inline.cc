@@ -1,0 +1,92 @@
+// QpCore's receive on a reactor thread (RxInline): when a reactor drives the
+// QP's receive CQ, the socket's readiness wakes that reactor (the CQ's
+// epoll fd, CqCore) and it runs the receive path itself -- frames parsed,
+// payloads placed, completions pushed into its own CQ -- instead of the
+// progress thread. Also what the rest of QpCore calls where the progress
+// thread would touch the engine (Activate, AddTimer), and the switch of a
+// QP between the two modes.
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "transport/soft/engine.h"
+#include "transport/soft/qp_core.h"
+
+namespace coverbs::transport::soft {
+
+void QpCore::Activate() {
+  if (inline_) {
+    want_tx_ = true;
+  } else {
+    engine_->Activate(this);
+  }
+}
+
+void QpCore::AddTimer(SteadyTime when) {
+  if (inline_) {
+    need_engine_ = true;
+    timers_owed_ = true;
+  } else {
+    engine_->AddTimer(this, when);
+  }
+}
+
+void QpCore::EnterReactorRx() {
+  if (cfg_.recv_cq->driven() &&
+      cfg_.recv_cq->AddRx(id_, fd_, weak_from_this())) {
+    reactor_rx_ = true;
+    engine_->WatchReactorRx();
+    return;
+  }
+  engine_->WatchIn(this);
+}
+
+void QpCore::LeaveReactorRx(bool watch) {
+  cfg_.recv_cq->RemoveRx(id_, fd_);
+  reactor_rx_ = false;
+  if (!watch) return;
+  // An edge the reactor had not taken yet is lost: look at the socket.
+  rx_ready_ = true;
+  engine_->WatchIn(this);
+  engine_->Activate(this);
+}
+
+void QpCore::TakeBackRx() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  if (reactor_rx_) LeaveReactorRx();
+}
+
+void QpCore::RxInline() {
+  std::shared_ptr<Engine> engine;
+  bool kick = false;
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    // An error (or a fault met before) is the progress thread's: it takes
+    // the QP back (OnKick) and drains it.
+    if (removed_ || !reactor_rx_ || fd_ < 0 || closed_ || err_ ||
+        rx_fault_ != 0) {
+      return;
+    }
+    // Placement checks each destination region's valid flag; the shared
+    // window makes deregistration wait for us (as TxInline).
+    AccessEpoch::EnterShared();
+    inline_ = true;
+    need_engine_ = false;
+    want_tx_ = false;
+    rx_ready_ = true;
+    DoRx();
+    inline_ = false;
+    AccessEpoch::ExitShared();
+    kick = need_engine_;
+    if (!kick && !want_tx_ && ctrl_.empty()) return;
+    // Not removed while we hold the lock: the engine is still alive.
+    engine = engine_->shared_from_this();
+  }
+  if (kick) {
+    Kick();
+  } else {
+    DeferTx(std::move(engine));
+  }
+}
+
+}  // namespace coverbs::transport::soft
