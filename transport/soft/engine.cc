@@ -286,6 +286,13 @@ void Engine::CheckReactors() {
     } else {
       any = true;
     }
+    // An ACK a reactor held back (EndPostBatch) a whole period ago: that
+    // reactor stopped running batches; send it from here.
+    if (qp->ack_held_.load(std::memory_order_relaxed)) {
+      uint32_t gen = qp->hold_gen_.load(std::memory_order_relaxed);
+      if (gen == qp->hold_gen_seen_) qp->Nudge();
+      qp->hold_gen_seen_ = gen;
+    }
   }
   for (auto it = rx_beats_.begin(); it != rx_beats_.end();) {
     if (seen.contains(it->first)) {

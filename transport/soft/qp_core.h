@@ -94,6 +94,10 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   absl::Status PostSend(ibv_send_wr* wr, ibv_send_wr** bad);
   absl::Status PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad);
   void RequestError();
+  // The end of a post batch that listed this QP (qp_post.cc): transmit
+  // inline, else kick. With `may_hold`, a QP that owes nothing but an ACK
+  // sends nothing yet and stays listed (returns true): see EndPostBatch.
+  bool FlushDeferred(bool may_hold = false);
   ibv_qp_state state() const {
     return static_cast<ibv_qp_state>(state_.load(std::memory_order_acquire));
   }
@@ -122,6 +126,8 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void Destroy();
   // The receive CQ's reactor is gone: the io_uring poll takes over.
   void TakeBackRx();
+  // Runs the transmit side (an ACK a stuck reactor held back).
+  void Nudge();
 
  private:
   friend class Engine;
@@ -183,15 +189,14 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
                    uint64_t index);
   void Kick();
-  // At the end of a post batch: transmit inline, else kick.
-  void FlushDeferred();
   friend void EndPostBatch();
   // Transmits what the send ring and the response ring hold from the
   // posting thread, if the progress thread is not busy with this QP and its
   // transmit side is idle. False when the progress thread still has to act
   // (nothing was tried, or a backlog, EAGAIN, an error or a timer to arm is
   // left for it): the caller kicks.
-  bool TxInline();
+  enum class InlineTx { kDone, kKick, kHeld };
+  InlineTx TxInline(bool may_hold);
 
   // Progress thread or a thread inside RxInline / TxInline (inline_): what
   // the engine would do. Inline, Activate asks for the poster's transmit
@@ -270,6 +275,12 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   std::atomic<bool> kicked_{false};
   std::atomic<bool> deferred_{false};  // in some thread's post batch
   std::atomic<bool> error_requested_{false};
+  // A pure ACK held back by a reactor's post batch (EndPostBatch), cleared
+  // when a transmit sends the response ring; hold_gen_ counts the holds, so
+  // the progress thread's check can tell one that lasted a whole period.
+  std::atomic<bool> ack_held_{false};
+  std::atomic<uint32_t> hold_gen_{0};
+  uint32_t hold_gen_seen_ = 0;  // progress thread (CheckReactors)
   std::mutex mu_;
   uint64_t sq_head_ = 0;  // guarded by mu_: next slot to post
   uint64_t sq_tail_ = 0;  // guarded by mu_: oldest uncompleted slot
@@ -376,6 +387,9 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
 // reactor's loop iteration.
 void BeginPostBatch();
 void EndPostBatch();
+// Outside any batch (a reactor about to sleep polls its CQ empty): sends
+// the ACKs the last batch held back.
+void FlushHeldAcks();
 
 }  // namespace coverbs::transport::soft
 

@@ -27,6 +27,10 @@ struct DeferredQp {
 struct PostBatch {
   int depth = 0;
   std::vector<DeferredQp> qps;  // each QP once (QpCore::deferred_)
+  // Held back by the last outermost batch (a pure ACK), still deferred_:
+  // sent by the next EndPostBatch or FlushHeldAcks.
+  std::vector<DeferredQp> held;
+  std::vector<DeferredQp> flushing;  // `held` being sent (kept for capacity)
 };
 thread_local PostBatch t_batch;
 
@@ -217,13 +221,25 @@ void QpCore::Kick() {
   if (!kicked_.exchange(true)) engine_->Kick(shared_from_this());
 }
 
-void QpCore::FlushDeferred() {
+bool QpCore::FlushDeferred(bool may_hold) {
   // Cleared first: a post from another thread from now on lists the QP
   // again or finds its WR picked up by the TxInline below (which reads the
   // ring's head under mu_ after this store).
   deferred_.store(false);
   // Not under mu_: TxInline takes progress_mu_, which comes first.
-  if (!TxInline()) Kick();
+  switch (TxInline(may_hold)) {
+    case InlineTx::kDone:
+      return false;
+    case InlineTx::kKick:
+      Kick();
+      return false;
+    case InlineTx::kHeld:
+      // Listed again (a post from another thread in between may have
+      // listed it too: flushing twice sends nothing twice).
+      deferred_.store(true);
+      return true;
+  }
+  return false;
 }
 
 void QpCore::DeferTx(std::shared_ptr<Engine> engine) {
@@ -238,14 +254,39 @@ void QpCore::DeferTx(std::shared_ptr<Engine> engine) {
 
 void BeginPostBatch() { ++t_batch.depth; }
 
+namespace {
+
+void FlushHeld() {
+  t_batch.flushing.swap(t_batch.held);
+  for (DeferredQp& d : t_batch.flushing) d.qp->FlushDeferred();
+  t_batch.flushing.clear();
+}
+
+}  // namespace
+
 void EndPostBatch() {
   if (t_batch.depth > 0) --t_batch.depth;
   // Every end flushes (an inner one too): nothing posted waits for an outer
   // batch that may be waiting for it. Flushing posts nothing, so the list
-  // does not change under us.
+  // does not change under us. The one exception: at the end of an
+  // outermost batch (a reactor's iteration), a QP that owes only the ACK
+  // of what the iteration received is held for one more batch, since the
+  // response to it (the RPC layer runs the handler in the next iteration)
+  // then carries it in the same write, and the peer wakes once instead of
+  // twice. Held ones go out at the next EndPostBatch whatever they hold,
+  // or before the reactor sleeps (FlushHeldAcks), or at worst from the
+  // progress thread's 10 ms check (Engine::CheckReactors).
+  bool outermost = t_batch.depth == 0;
+  if (!t_batch.held.empty()) FlushHeld();
   if (t_batch.qps.empty()) return;
-  for (DeferredQp& d : t_batch.qps) d.qp->FlushDeferred();
+  for (DeferredQp& d : t_batch.qps) {
+    if (d.qp->FlushDeferred(outermost)) t_batch.held.push_back(std::move(d));
+  }
   t_batch.qps.clear();
+}
+
+void FlushHeldAcks() {
+  if (t_batch.depth == 0 && !t_batch.held.empty()) FlushHeld();
 }
 
 }  // namespace coverbs::transport::soft

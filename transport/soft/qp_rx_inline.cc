@@ -56,6 +56,11 @@ void QpCore::TakeBackRx() {
   if (reactor_rx_) LeaveReactorRx();
 }
 
+void QpCore::Nudge() {
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  if (!removed_) engine_->Activate(this);
+}
+
 void QpCore::RxInline() {
   std::shared_ptr<Engine> engine;
   bool kick = false;

@@ -132,6 +132,10 @@ void QpCore::AppendUser(const char* p, size_t n,
 
 bool QpCore::Build() {
   ResetTx();
+  // Whatever ACK a batch held back goes out now.
+  if (ack_held_.load(std::memory_order_relaxed)) {
+    ack_held_.store(false, std::memory_order_relaxed);
+  }
   constexpr size_t kFrameRoom = wire::kHeaderSize + 256 + 16;
   auto room = [&](size_t segs) {
     return arena_used_ + kFrameRoom <= kArenaSize &&
@@ -381,14 +385,22 @@ bool QpCore::SendPending(size_t* budget) {
   return false;
 }
 
-bool QpCore::TxInline() {
+QpCore::InlineTx QpCore::TxInline(bool may_hold) {
   std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
   // Busy (the progress thread is serving this QP and will see the new WRs
   // through the kick) or anything but the plain idle state: kick.
   if (!lock.owns_lock() || removed_ || fd_ < 0 || closed_ || err_ ||
       !hello_sent_ || tx_blocked_ || rnr_wait_ || seg_idx_ != nsegs_ ||
       error_requested_.load()) {
-    return false;
+    return InlineTx::kKick;
+  }
+  if (may_hold && reactor_rx_ && ctrl_.size() == 1 &&
+      ctrl_.front().op == wire::kAck && send_ptr_ == ReadHead()) {
+    // Only the ACK of what this reactor just received: its response,
+    // usually posted in the next iteration, will carry it in one write.
+    hold_gen_.fetch_add(1, std::memory_order_relaxed);
+    ack_held_.store(true, std::memory_order_relaxed);
+    return InlineTx::kHeld;
   }
   // Build and SendPending check each source region's valid flag before the
   // sendmsg reads it; the shared window makes deregistration wait for us.
@@ -404,7 +416,7 @@ bool QpCore::TxInline() {
   if (seg_idx_ != nsegs_ || send_ptr_ < head_cache_ || !ctrl_.empty()) {
     need_engine_ = true;
   }
-  return !need_engine_;
+  return need_engine_ ? InlineTx::kKick : InlineTx::kDone;
 }
 
 void QpCore::DoTx() {

@@ -165,7 +165,13 @@ class SoftCq : public ProviderCq {
   ~SoftCq() override { core_->Undrive(); }
   int fd() const override { return core_->fd(); }
   int capacity() const override { return core_->capacity(); }
-  int Poll(int n, ibv_wc* wc) override { return core_->Poll(n, wc); }
+  int Poll(int n, ibv_wc* wc) override {
+    int got = core_->Poll(n, wc);
+    // Found empty outside a loop iteration (a reactor about to sleep): the
+    // ACKs its last iteration held back go out now.
+    if (got == 0) FlushHeldAcks();
+    return got;
+  }
   absl::Status RequestNotify() override {
     core_->RequestNotify();
     return absl::OkStatus();
