@@ -29,6 +29,7 @@ constexpr auto kCloseTimeout = std::chrono::seconds(2);
 
 QpCore::QpCore(Engine* engine, uint64_t id, QpConfig config)
     : engine_(engine),
+      engine_weak_(engine->weak_from_this()),
       id_(id),
       cfg_(std::move(config)),
       sq_cap_(cfg_.init.max_send_wr),
@@ -70,6 +71,11 @@ void QpCore::OnKick() {
   kicked_.store(false);
   std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
+  // A reactor found the lock busy when the socket had data (RxInline).
+  if (rx_hint_.exchange(false)) {
+    rx_ready_ = true;
+    engine_->Activate(this);
+  }
   if (timers_owed_) {
     // Set by a thread receiving inline, which cannot touch the timer heap.
     timers_owed_ = false;

@@ -263,6 +263,9 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void PushSendWc(const SendWqe& w, uint8_t status);
 
   Engine* const engine_;
+  // For threads other than the progress thread that must keep the engine
+  // alive while they use the QP (RxInline).
+  const std::weak_ptr<Engine> engine_weak_;
   const uint64_t id_;
   const QpConfig cfg_;
   const uint32_t sq_cap_;
@@ -278,6 +281,9 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // A pure ACK held back by a reactor's post batch (EndPostBatch), cleared
   // when a transmit sends the response ring; hold_gen_ counts the holds, so
   // the progress thread's check can tell one that lasted a whole period.
+  // RxInline found progress_mu_ busy: the progress thread looks at the
+  // socket (OnKick), since the edge that reported the data is consumed.
+  std::atomic<bool> rx_hint_{false};
   std::atomic<bool> ack_held_{false};
   std::atomic<uint32_t> hold_gen_{0};
   uint32_t hold_gen_seen_ = 0;  // progress thread (CheckReactors)

@@ -20,6 +20,10 @@ namespace coverbs::transport::soft {
 namespace {
 
 constexpr size_t kDirectMin = 4096;  // payload read straight to target
+// A payload with more than this left is copied in by the progress thread
+// even on a reactor-received QP, on the other core while the reactor goes
+// on (1 MiB echo: 0.85x the calls/s when the reactor copied it itself).
+constexpr size_t kInlineBulk = 256 * 1024;
 constexpr size_t kRxBudget = 4 * 1024 * 1024;  // bytes per QP per iteration
 
 // Where discarded payloads go: per thread, since a reactor thread receiving
@@ -135,6 +139,10 @@ void QpCore::DoRx() {
       continue;
     }
     if (!rx_ready_ || budget == 0) break;
+    if (inline_ && pay_left_ > kInlineBulk) {
+      need_engine_ = true;  // rx_ready_ stays: the progress thread reads
+      break;
+    }
     rpos_ = rend_ = 0;
     ssize_t n;
     if (pay_left_ >= kDirectMin) {

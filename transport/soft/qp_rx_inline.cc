@@ -62,10 +62,21 @@ void QpCore::Nudge() {
 }
 
 void QpCore::RxInline() {
-  std::shared_ptr<Engine> engine;
+  // Kicks and a batch entry below need the engine; the QP may be destroyed
+  // meanwhile by another thread, taking the last other reference with it.
+  std::shared_ptr<Engine> engine = engine_weak_.lock();
+  if (!engine) return;
   bool kick = false;
   {
-    std::lock_guard<std::mutex> lock(progress_mu_);
+    std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      // The progress thread (say, copying a bulk payload) or a poster
+      // holds it and may have read only up to before the data whose edge
+      // we consumed: the progress thread looks at the socket after it.
+      rx_hint_.store(true);
+      Kick();
+      return;
+    }
     // An error (or a fault met before) is the progress thread's: it takes
     // the QP back (OnKick) and drains it.
     if (removed_ || !reactor_rx_ || fd_ < 0 || closed_ || err_ ||
@@ -84,8 +95,6 @@ void QpCore::RxInline() {
     AccessEpoch::ExitShared();
     kick = need_engine_;
     if (!kick && !want_tx_ && ctrl_.empty()) return;
-    // Not removed while we hold the lock: the engine is still alive.
-    engine = engine_->shared_from_this();
   }
   if (kick) {
     Kick();
