@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -26,8 +27,11 @@ constexpr uint64_t kReactorCheckId = 0;
 // io_uring user_data: (connection id << 3) | tag.
 constexpr uint64_t kTagIgnore = 0;
 constexpr uint64_t kTagWake = 1;
-constexpr uint64_t kTagIn = 2;
 constexpr uint64_t kTagOut = 3;
+// POLLIN polls: a QP's socket is watched and unwatched more than once (bulk
+// receive, QpCore::StartBulkRx), so each new poll takes the next of these
+// and CQEs of a poll already removed are told apart and ignored.
+constexpr uint8_t kTagsIn[] = {2, 4, 5, 6};
 
 struct Global {
   std::mutex mu;
@@ -210,8 +214,17 @@ void Engine::WatchIn(QpCore* qp) {
   if (qp->watching_in_ || qp->fd_ < 0 || !ring_ok_) return;
   io_uring_sqe* sqe = Sqe();
   io_uring_prep_poll_multishot(sqe, qp->fd_, POLLIN);
-  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagIn);
+  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagsIn[qp->in_tag_]);
   qp->watching_in_ = true;
+}
+
+void Engine::UnwatchIn(QpCore* qp) {
+  if (!qp->watching_in_ || !ring_ok_) return;
+  io_uring_sqe* sqe = Sqe();
+  io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagsIn[qp->in_tag_]);
+  io_uring_sqe_set_data64(sqe, kTagIgnore);
+  qp->watching_in_ = false;
+  qp->in_tag_ = (qp->in_tag_ + 1) % std::size(kTagsIn);
 }
 
 void Engine::WatchOut(QpCore* qp) {
@@ -224,12 +237,7 @@ void Engine::WatchOut(QpCore* qp) {
 
 void Engine::Unwatch(QpCore* qp) {
   if (!ring_ok_) return;
-  if (qp->watching_in_) {
-    io_uring_sqe* sqe = Sqe();
-    io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagIn);
-    io_uring_sqe_set_data64(sqe, kTagIgnore);
-    qp->watching_in_ = false;
-  }
+  UnwatchIn(qp);
   if (qp->pollout_armed_) {
     io_uring_sqe* sqe = Sqe();
     io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagOut);
@@ -332,16 +340,18 @@ void Engine::ReapCqes() {
     auto it = conns_.find(data >> 3);
     if (it == conns_.end()) continue;
     QpCore* qp = it->second.get();
-    if (tag == kTagIn) {
-      bool more = (cqe->flags & IORING_CQE_F_MORE) != 0;
-      if (!more) qp->watching_in_ = false;
-      if (qp->fd_ < 0) continue;
-      if (cqe->res != -ECANCELED) qp->OnReadable();
-      if (!qp->watching_in_) WatchIn(qp);
-    } else if (tag == kTagOut) {
+    if (tag == kTagOut) {
       qp->pollout_armed_ = false;
       if (qp->fd_ >= 0) qp->OnWritable();
+      continue;
     }
+    // A POLLIN poll: only the current one counts.
+    if (!qp->watching_in_ || tag != kTagsIn[qp->in_tag_]) continue;
+    bool more = (cqe->flags & IORING_CQE_F_MORE) != 0;
+    if (!more) qp->watching_in_ = false;
+    if (qp->fd_ < 0) continue;
+    if (cqe->res != -ECANCELED) qp->OnReadable();
+    if (!qp->watching_in_ && qp->progress_watches_in()) WatchIn(qp);
   }
   if (n > 0) io_uring_cq_advance(&ring_, n);
 }

@@ -53,6 +53,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void Activate(QpCore* qp);
   void WatchIn(QpCore* qp);
   void WatchOut(QpCore* qp);
+  void UnwatchIn(QpCore* qp);
   void Unwatch(QpCore* qp);
   void AddTimer(QpCore* qp, SteadyTime when);
   // A QP now receives on its receive CQ's reactor (QpCore::EnterReactorRx):

@@ -116,7 +116,21 @@ void QpCore::OnWritable() {
 void QpCore::Service() {
   std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
+  // Bulk work in either direction: this thread receives for the QP too
+  // until it is done (StartBulkRx).
+  if (reactor_rx_ && !bulk_rx_ && fd_ >= 0 && !err_ && in_payload_ &&
+      pay_left_ > kInlineBulk) {
+    StartBulkRx();
+    rx_ready_ = true;
+  }
   if (rx_ready_ && fd_ >= 0) DoRx();
+  // Back to the reactor at a frame boundary once the bulk is over (a run of
+  // small frames: switching each way costs syscalls and a wake-up, and
+  // going back after every bulk frame lost most of the gain).
+  if (bulk_rx_ && !in_payload_ && bulk_small_run_ >= kBulkExitFrames && !err_ &&
+      fd_ >= 0) {
+    EndBulkRx();
+  }
   DoTx();
 }
 

@@ -209,6 +209,10 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // driven; `watch` false: the socket is being closed).
   void EnterReactorRx();
   void LeaveReactorRx(bool watch = true);
+  // Progress thread: a reactor-received QP's bulk payloads are received by
+  // the progress thread (see kInlineBulk, qp_rx.cc), then back.
+  void StartBulkRx();
+  void EndBulkRx();
   // After RxInline: the QP's transmit joins this thread's post batch, or
   // runs now outside one. `engine` keeps the engine alive meanwhile.
   void DeferTx(std::shared_ptr<Engine> engine);
@@ -315,6 +319,12 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // The socket's readiness goes to the receive CQ's reactor (CqCore::AddRx),
   // not to the progress thread's io_uring poll.
   bool reactor_rx_ = false;
+  // A reactor-received QP in the middle of bulk payloads: the reactor's
+  // epoll interest is off and the progress thread's io_uring poll watches
+  // (StartBulkRx / EndBulkRx).
+  bool bulk_rx_ = false;
+  uint32_t bulk_small_run_ = 0;  // frames of kInlineBulk or less in a row
+  bool progress_watches_in() const { return !reactor_rx_ || bulk_rx_; }
   // End of stream (-1) or the errno that an inline receive met, for the
   // progress thread to act on.
   int rx_fault_ = 0;
@@ -325,6 +335,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // ---- Progress thread only (engine bookkeeping).
   bool in_active_ = false;
   bool watching_in_ = false;
+  uint8_t in_tag_ = 0;  // which io_uring tag the current POLLIN poll has
   bool pollout_armed_ = false;
   // ---- Progress thread (or an inline poster).
   bool rx_ready_ = false;

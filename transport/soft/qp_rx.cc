@@ -20,10 +20,7 @@ namespace coverbs::transport::soft {
 namespace {
 
 constexpr size_t kDirectMin = 4096;  // payload read straight to target
-// A payload with more than this left is copied in by the progress thread
-// even on a reactor-received QP, on the other core while the reactor goes
-// on (1 MiB echo: 0.85x the calls/s when the reactor copied it itself).
-constexpr size_t kInlineBulk = 256 * 1024;
+
 constexpr size_t kRxBudget = 4 * 1024 * 1024;  // bytes per QP per iteration
 
 // Where discarded payloads go: per thread, since a reactor thread receiving
@@ -109,6 +106,10 @@ void QpCore::DoRx() {
       if (rend_ - rpos_ >= wire::kHeaderSize) {
         wire::Header h = wire::Decode(rbuf_.get() + rpos_);
         rpos_ += wire::kHeaderSize;
+        if (bulk_rx_) {
+          bulk_small_run_ =
+              h.payload_len > kInlineBulk ? 0 : bulk_small_run_ + 1;
+        }
         StartFrame(h);
         continue;
       }

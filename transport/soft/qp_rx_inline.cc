@@ -44,11 +44,29 @@ void QpCore::EnterReactorRx() {
 void QpCore::LeaveReactorRx(bool watch) {
   cfg_.recv_cq->RemoveRx(id_, fd_);
   reactor_rx_ = false;
+  bulk_rx_ = false;  // the io_uring poll, if armed, simply stays
   if (!watch) return;
   // An edge the reactor had not taken yet is lost: look at the socket.
   rx_ready_ = true;
   engine_->WatchIn(this);
   engine_->Activate(this);
+}
+
+void QpCore::StartBulkRx() {
+  // Interest off first, then the poll: data arriving in between is seen by
+  // the poll as it is armed.
+  cfg_.recv_cq->SetRxInterest(id_, fd_, false);
+  bulk_rx_ = true;
+  bulk_small_run_ = 0;
+  engine_->WatchIn(this);
+}
+
+void QpCore::EndBulkRx() {
+  // The poll's remaining CQEs are ignored (Engine::UnwatchIn); turning the
+  // interest back on reports data already waiting to the reactor.
+  engine_->UnwatchIn(this);
+  bulk_rx_ = false;
+  cfg_.recv_cq->SetRxInterest(id_, fd_, true);
 }
 
 void QpCore::TakeBackRx() {
@@ -79,7 +97,7 @@ void QpCore::RxInline() {
     }
     // An error (or a fault met before) is the progress thread's: it takes
     // the QP back (OnKick) and drains it.
-    if (removed_ || !reactor_rx_ || fd_ < 0 || closed_ || err_ ||
+    if (removed_ || !reactor_rx_ || bulk_rx_ || fd_ < 0 || closed_ || err_ ||
         rx_fault_ != 0) {
       return;
     }

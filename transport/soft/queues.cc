@@ -111,6 +111,15 @@ void CqCore::RemoveRx(uint64_t id, int fd) {
   if (rx_.erase(id) > 0) rx_count_.fetch_sub(1);
 }
 
+void CqCore::SetRxInterest(uint64_t id, int fd, bool on) {
+  epoll_event ev{};
+  // Errors and hang-ups are reported even without EPOLLIN: RxInline then
+  // finds the QP with the progress thread and leaves it there.
+  ev.events = on ? EPOLLIN | EPOLLET : EPOLLET;
+  ev.data.u64 = id;
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
+}
+
 void CqCore::TakeReady(std::vector<uint64_t>* ids) {
   epoll_event evs[kReadyBatch];
   int n = epoll_wait(epfd_, evs, kReadyBatch, 0);

@@ -99,6 +99,10 @@ class CqCore {
   // progress thread).
   bool AddRx(uint64_t id, int fd, std::weak_ptr<QpCore> qp);
   void RemoveRx(uint64_t id, int fd);
+  // Turns the reactor's notifications for a QP's socket off (the progress
+  // thread receives its bulk data) or back on; on again with data waiting,
+  // the reactor is woken for it.
+  void SetRxInterest(uint64_t id, int fd, bool on);
   // Progress thread, for a reactor that stopped turning: takes the ids of
   // the QPs whose sockets became ready (instead of the reactor).
   void TakeReady(std::vector<uint64_t>* ids);
