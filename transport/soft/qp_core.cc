@@ -116,8 +116,8 @@ void QpCore::OnWritable() {
 void QpCore::Service() {
   std::lock_guard<std::mutex> lock(progress_mu_);
   if (removed_) return;
-  // Bulk work in either direction: this thread receives for the QP too
-  // until it is done (StartBulkRx).
+  // A bulk payload under way: this thread receives for the QP until the
+  // bulk is over (StartBulkRx).
   if (reactor_rx_ && !bulk_rx_ && fd_ >= 0 && !err_ && in_payload_ &&
       pay_left_ > kInlineBulk) {
     StartBulkRx();
@@ -177,6 +177,9 @@ void QpCore::EnterError(Cause cause, const std::string& why) {
   in_payload_ = false;
   rx_mr_.Reset();
   rnr_wait_ = false;
+  // Draining until the peer closes needs the io_uring poll (inline, OnKick
+  // does this).
+  if (reactor_rx_ && !inline_ && fd_ >= 0) LeaveReactorRx();
   FlushRq();
   if (fd_ < 0) {
     closed_ = true;

@@ -95,24 +95,24 @@ void QpCore::RxInline() {
       Kick();
       return;
     }
-    // An error (or a fault met before) is the progress thread's: it takes
-    // the QP back (OnKick) and drains it.
-    if (removed_ || !reactor_rx_ || bulk_rx_ || fd_ < 0 || closed_ || err_ ||
-        rx_fault_ != 0) {
-      return;
+    if (removed_ || !reactor_rx_ || bulk_rx_ || fd_ < 0 || closed_) return;
+    if (err_ || rx_fault_ != 0) {
+      // The progress thread's: it takes the QP back (OnKick) and drains it.
+      kick = true;
+    } else {
+      // Placement checks each destination region's valid flag; the shared
+      // window makes deregistration wait for us (as TxInline).
+      AccessEpoch::EnterShared();
+      inline_ = true;
+      need_engine_ = false;
+      want_tx_ = false;
+      rx_ready_ = true;
+      DoRx();
+      inline_ = false;
+      AccessEpoch::ExitShared();
+      kick = need_engine_;
+      if (!kick && !want_tx_ && ctrl_.empty()) return;
     }
-    // Placement checks each destination region's valid flag; the shared
-    // window makes deregistration wait for us (as TxInline).
-    AccessEpoch::EnterShared();
-    inline_ = true;
-    need_engine_ = false;
-    want_tx_ = false;
-    rx_ready_ = true;
-    DoRx();
-    inline_ = false;
-    AccessEpoch::ExitShared();
-    kick = need_engine_;
-    if (!kick && !want_tx_ && ctrl_.empty()) return;
   }
   if (kick) {
     Kick();
