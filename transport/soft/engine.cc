@@ -10,7 +10,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -24,14 +23,20 @@ constexpr auto kReactorCheck = std::chrono::milliseconds(10);
 // The timer id of that check (connection ids start at 1).
 constexpr uint64_t kReactorCheckId = 0;
 
-// io_uring user_data: (connection id << 3) | tag.
+// io_uring user_data: (connection id << 8) | (generation << 3) | tag.
 constexpr uint64_t kTagIgnore = 0;
 constexpr uint64_t kTagWake = 1;
+constexpr uint64_t kTagIn = 2;
 constexpr uint64_t kTagOut = 3;
 // POLLIN polls: a QP's socket is watched and unwatched more than once (bulk
-// receive, QpCore::StartBulkRx), so each new poll takes the next of these
-// and CQEs of a poll already removed are told apart and ignored.
-constexpr uint8_t kTagsIn[] = {2, 4, 5, 6};
+// receive, QpCore::StartBulkRx), so each new poll takes the next generation
+// (mod 32) and CQEs of a poll already removed are told apart and ignored.
+constexpr uint8_t kInGenerations = 32;
+
+uint64_t InData(uint64_t id, uint8_t gen) {
+  return (id << 8) | (uint64_t{gen} << 3) | kTagIn;
+}
+uint64_t OutData(uint64_t id) { return (id << 8) | kTagOut; }
 
 struct Global {
   std::mutex mu;
@@ -213,25 +218,26 @@ io_uring_sqe* Engine::Sqe() {
 void Engine::WatchIn(QpCore* qp) {
   if (qp->watching_in_ || qp->fd_ < 0 || !ring_ok_) return;
   io_uring_sqe* sqe = Sqe();
-  io_uring_prep_poll_multishot(sqe, qp->fd_, POLLIN);
-  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagsIn[qp->in_tag_]);
+  // POLLRDHUP: a CQE that finds the peer's end queued says so (OnReadable).
+  io_uring_prep_poll_multishot(sqe, qp->fd_, POLLIN | POLLRDHUP);
+  io_uring_sqe_set_data64(sqe, InData(qp->id(), qp->in_gen_));
   qp->watching_in_ = true;
 }
 
 void Engine::UnwatchIn(QpCore* qp) {
   if (!qp->watching_in_ || !ring_ok_) return;
   io_uring_sqe* sqe = Sqe();
-  io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagsIn[qp->in_tag_]);
+  io_uring_prep_poll_remove(sqe, InData(qp->id(), qp->in_gen_));
   io_uring_sqe_set_data64(sqe, kTagIgnore);
   qp->watching_in_ = false;
-  qp->in_tag_ = (qp->in_tag_ + 1) % std::size(kTagsIn);
+  qp->in_gen_ = (qp->in_gen_ + 1) % kInGenerations;
 }
 
 void Engine::WatchOut(QpCore* qp) {
   if (qp->pollout_armed_ || qp->fd_ < 0 || !ring_ok_) return;
   io_uring_sqe* sqe = Sqe();
   io_uring_prep_poll_add(sqe, qp->fd_, POLLOUT);
-  io_uring_sqe_set_data64(sqe, (qp->id() << 3) | kTagOut);
+  io_uring_sqe_set_data64(sqe, OutData(qp->id()));
   qp->pollout_armed_ = true;
 }
 
@@ -240,7 +246,7 @@ void Engine::Unwatch(QpCore* qp) {
   UnwatchIn(qp);
   if (qp->pollout_armed_) {
     io_uring_sqe* sqe = Sqe();
-    io_uring_prep_poll_remove(sqe, (qp->id() << 3) | kTagOut);
+    io_uring_prep_poll_remove(sqe, OutData(qp->id()));
     io_uring_sqe_set_data64(sqe, kTagIgnore);
     qp->pollout_armed_ = false;
   }
@@ -270,7 +276,7 @@ void Engine::CheckReactors() {
   reactor_check_armed_ = false;
   enum Verdict { kFine, kTakeReady, kGiveBack };
   absl::flat_hash_map<CqCore*, Verdict> seen;
-  std::vector<uint64_t> ready;
+  std::vector<CqCore::ReadyRx> ready;
   bool any = false;
   for (auto& [id, qp] : conns_) {
     if (!qp->reactor_rx_) continue;
@@ -309,9 +315,9 @@ void Engine::CheckReactors() {
       rx_beats_.erase(it++);
     }
   }
-  for (uint64_t id : ready) {
-    auto it = conns_.find(id);
-    if (it != conns_.end()) it->second->OnReadable();
+  for (const CqCore::ReadyRx& r : ready) {
+    auto it = conns_.find(r.id);
+    if (it != conns_.end()) it->second->OnReadable(r.ended);
   }
   if (any) WatchReactorRx();
 }
@@ -337,7 +343,7 @@ void Engine::ReapCqes() {
       wake_armed_ = false;
       continue;
     }
-    auto it = conns_.find(data >> 3);
+    auto it = conns_.find(data >> 8);
     if (it == conns_.end()) continue;
     QpCore* qp = it->second.get();
     if (tag == kTagOut) {
@@ -346,11 +352,14 @@ void Engine::ReapCqes() {
       continue;
     }
     // A POLLIN poll: only the current one counts.
-    if (!qp->watching_in_ || tag != kTagsIn[qp->in_tag_]) continue;
+    if (!qp->watching_in_ || data != InData(qp->id(), qp->in_gen_)) continue;
     bool more = (cqe->flags & IORING_CQE_F_MORE) != 0;
     if (!more) qp->watching_in_ = false;
     if (qp->fd_ < 0) continue;
-    if (cqe->res != -ECANCELED) qp->OnReadable();
+    if (cqe->res != -ECANCELED) {
+      qp->OnReadable(cqe->res > 0 &&
+                     (cqe->res & (POLLRDHUP | POLLHUP | POLLERR)) != 0);
+    }
     if (!qp->watching_in_ && qp->progress_watches_in()) WatchIn(qp);
   }
   if (n > 0) io_uring_cq_advance(&ring_, n);

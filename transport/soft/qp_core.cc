@@ -101,7 +101,8 @@ void QpCore::OnKick() {
   engine_->Activate(this);
 }
 
-void QpCore::OnReadable() {
+void QpCore::OnReadable(bool ended) {
+  if (ended) peer_ended_.store(true, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(progress_mu_);
   rx_ready_ = true;
   engine_->Activate(this);
@@ -123,7 +124,8 @@ void QpCore::Service() {
     StartBulkRx();
     rx_ready_ = true;
   }
-  if (rx_ready_ && fd_ >= 0) DoRx();
+  // (A fault an inline receive met is acted on by DoRx.)
+  if ((rx_ready_ || rx_fault_ != 0) && fd_ >= 0) DoRx();
   // Back to the reactor at a frame boundary once the bulk is over (a run of
   // small frames: switching each way costs syscalls and a wake-up, and
   // going back after every bulk frame lost most of the gain).

@@ -114,14 +114,15 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // owes go out with the thread's post batch (or inline at once outside
   // one). Whatever needs the progress thread (an error, a timer, a backlog)
   // is left to it through a kick.
-  void RxInline();
+  // `ended`: the event reported the peer's end of stream or an error.
+  void RxInline(bool ended);
 
   // ---- Progress thread. Each of these takes progress_mu_.
   void Connect(int fd);
   void OnKick();
   void Service();
   void OnTimer(SteadyTime now);
-  void OnReadable();
+  void OnReadable(bool ended);
   void OnWritable();
   void Destroy();
   // The receive CQ's reactor is gone: the io_uring poll takes over.
@@ -219,6 +220,11 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
 
   // Progress thread: receive.
   void DoRx();
+  // After a read of `n` bytes that asked for `want`: whether the socket is
+  // known to be empty (see peer_ended_).
+  bool Drained(size_t n, size_t want) const {
+    return n < want && !peer_ended_.load(std::memory_order_relaxed);
+  }
   bool RecvResult(ssize_t n);
   void DrainAfterError();
   void StartFrame(const wire::Header& h);
@@ -288,6 +294,14 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // RxInline found progress_mu_ busy: the progress thread looks at the
   // socket (OnKick), since the edge that reported the data is consumed.
   std::atomic<bool> rx_hint_{false};
+  // A readiness event (the reactor's epoll, the io_uring poll) reported the
+  // peer's end of stream or an error. Until then a read that returns less
+  // than it asked for drained the socket (data arriving later raises a new
+  // event); from then on it does not: the end is queued behind the data,
+  // and nothing will report the socket again, so reads go on until one
+  // returns 0 or fails (DoRx, Drained). Set before the thread that saw the
+  // event takes progress_mu_ or kicks.
+  std::atomic<bool> peer_ended_{false};
   std::atomic<bool> ack_held_{false};
   std::atomic<uint32_t> hold_gen_{0};
   uint32_t hold_gen_seen_ = 0;  // progress thread (CheckReactors)
@@ -335,7 +349,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // ---- Progress thread only (engine bookkeeping).
   bool in_active_ = false;
   bool watching_in_ = false;
-  uint8_t in_tag_ = 0;  // which io_uring tag the current POLLIN poll has
+  uint8_t in_gen_ = 0;  // the current POLLIN poll's generation (its CQEs')
   bool pollout_armed_ = false;
   // ---- Progress thread (or an inline poster).
   bool rx_ready_ = false;

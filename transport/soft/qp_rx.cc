@@ -91,8 +91,9 @@ void QpCore::DoRx() {
   size_t budget = kRxBudget;
   // rx_ready_ says the socket may hold more; a read that returns less than
   // it asked for drained it (anything later raises a new poll event), so
-  // it is not asked again just to hear EAGAIN. Frames already in the
-  // staging buffer are parsed either way.
+  // it is not asked again just to hear EAGAIN -- unless the peer's end was
+  // reported (Drained). Frames already in the staging buffer are parsed
+  // either way.
   while (fd_ >= 0 && rx_fault_ == 0) {
     if (err_) {
       if (inline_) {
@@ -122,7 +123,7 @@ void QpCore::DoRx() {
       size_t want = kRbufSize - rend_;
       ssize_t n = recv(fd_, rbuf_.get() + rend_, want, MSG_DONTWAIT);
       if (!RecvResult(n)) break;
-      if (static_cast<size_t>(n) < want) rx_ready_ = false;
+      if (Drained(static_cast<size_t>(n), want)) rx_ready_ = false;
       rend_ += n;
       budget -= std::min<size_t>(budget, n);
       continue;
@@ -161,7 +162,7 @@ void QpCore::DoRx() {
       }
       n = readv(fd_, iov, niov);
       if (!RecvResult(n)) break;
-      if (static_cast<size_t>(n) < want) rx_ready_ = false;
+      if (Drained(static_cast<size_t>(n), want)) rx_ready_ = false;
       size_t placed = std::min<uint64_t>(n, pay_left_);
       AdvanceDest(placed);
       pay_left_ -= placed;
@@ -173,7 +174,7 @@ void QpCore::DoRx() {
     } else {
       n = recv(fd_, rbuf_.get(), kRbufSize, MSG_DONTWAIT);
       if (!RecvResult(n)) break;
-      if (static_cast<size_t>(n) < kRbufSize) rx_ready_ = false;
+      if (Drained(static_cast<size_t>(n), kRbufSize)) rx_ready_ = false;
       rend_ = n;
     }
     budget -= std::min<size_t>(budget, n);

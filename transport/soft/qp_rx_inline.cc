@@ -79,7 +79,10 @@ void QpCore::Nudge() {
   if (!removed_) engine_->Activate(this);
 }
 
-void QpCore::RxInline() {
+void QpCore::RxInline(bool ended) {
+  // Before the lock: whoever receives next (this thread, or the progress
+  // thread after a kick) reads until the end.
+  if (ended) peer_ended_.store(true, std::memory_order_relaxed);
   // Kicks and a batch entry below need the engine; the QP may be destroyed
   // meanwhile by another thread, taking the last other reference with it.
   std::shared_ptr<Engine> engine = engine_weak_.lock();

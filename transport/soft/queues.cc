@@ -20,6 +20,15 @@ thread_local const CqCore* t_receiving = nullptr;
 
 constexpr int kReadyBatch = 64;  // epoll events taken per GetEvents
 
+// A socket's data, and (EPOLLRDHUP) its peer's end of stream: an event
+// harvested after the end arrived says so, and the reader then knows that a
+// short read does not mean drained (QpCore::peer_ended_).
+constexpr uint32_t kRxEvents = EPOLLIN | EPOLLRDHUP | EPOLLET;
+
+bool Ended(uint32_t events) {
+  return (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -98,7 +107,7 @@ bool CqCore::AddRx(uint64_t id, int fd, std::weak_ptr<QpCore> qp) {
   epoll_event ev{};
   // Edge-triggered: each arrival wakes the reactor once; RxInline reads
   // until the socket is drained (or leaves the rest to the progress thread).
-  ev.events = EPOLLIN | EPOLLET;
+  ev.events = kRxEvents;
   ev.data.u64 = id;
   if (epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) == 0) return true;
   RemoveRx(id, -1);
@@ -115,16 +124,18 @@ void CqCore::SetRxInterest(uint64_t id, int fd, bool on) {
   epoll_event ev{};
   // Errors and hang-ups are reported even without EPOLLIN: RxInline then
   // finds the QP with the progress thread and leaves it there.
-  ev.events = on ? EPOLLIN | EPOLLET : EPOLLET;
+  ev.events = on ? kRxEvents : EPOLLET;
   ev.data.u64 = id;
   epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev);
 }
 
-void CqCore::TakeReady(std::vector<uint64_t>* ids) {
+void CqCore::TakeReady(std::vector<ReadyRx>* ready) {
   epoll_event evs[kReadyBatch];
   int n = epoll_wait(epfd_, evs, kReadyBatch, 0);
   for (int i = 0; i < n; ++i) {
-    if (evs[i].data.u64 != 0) ids->push_back(evs[i].data.u64);
+    if (evs[i].data.u64 != 0) {
+      ready->push_back(ReadyRx{evs[i].data.u64, Ended(evs[i].events)});
+    }
   }
 }
 
@@ -195,6 +206,7 @@ int CqCore::GetEvents() {
     epoll_event evs[kReadyBatch];
     int n = epoll_wait(epfd_, evs, kReadyBatch, 0);
     std::shared_ptr<QpCore> qps[kReadyBatch];
+    bool ended[kReadyBatch];
     int nq = 0;
     // The eventfd is level-triggered in the set: a full batch may have left
     // it out, a shorter one reports it when it is readable.
@@ -209,13 +221,14 @@ int CqCore::GetEvents() {
         auto it = rx_.find(evs[i].data.u64);
         if (it == rx_.end()) continue;
         if (std::shared_ptr<QpCore> qp = it->second.lock()) {
+          ended[nq] = Ended(evs[i].events);
           qps[nq++] = std::move(qp);
         }
       }
     }
     const CqCore* outer = t_receiving;
     t_receiving = this;
-    for (int i = 0; i < nq; ++i) qps[i]->RxInline();
+    for (int i = 0; i < nq; ++i) qps[i]->RxInline(ended[i]);
     t_receiving = outer;
   }
   if (!channel) return 0;

@@ -104,8 +104,13 @@ class CqCore {
   // the reactor is woken for it.
   void SetRxInterest(uint64_t id, int fd, bool on);
   // Progress thread, for a reactor that stopped turning: takes the ids of
-  // the QPs whose sockets became ready (instead of the reactor).
-  void TakeReady(std::vector<uint64_t>* ids);
+  // the QPs whose sockets became ready (instead of the reactor), and
+  // whether their events reported the peer's end.
+  struct ReadyRx {
+    uint64_t id;
+    bool ended;
+  };
+  void TakeReady(std::vector<ReadyRx>* ready);
 
  private:
   CqCore(int capacity, int fd, int epfd, std::shared_ptr<AsyncQueue> async);

@@ -3,7 +3,10 @@
 // by whoever calls that CQ's GetEvents; these tests check that it never
 // depends on that caller for liveness: a driven CQ nobody reads, an ACK a
 // batch held back and nobody sent, a driven CQ destroyed under its QP.
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -12,6 +15,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/transport/soft/soft_test_util.h"
+#include "transport/soft/wire.h"
 
 namespace coverbs::transport::soft::testing {
 namespace {
@@ -188,6 +192,103 @@ TEST_F(SoftReactorRxTest, BulkAndSmallMessagesAlternate) {
     id += kSmall + 1;
   }
 }
+
+// A connected loopback TCP pair: {ours, the raw peer's}.
+bool TcpPair(int fds[2]) {
+  int ln = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bool ok = ln >= 0 && bind(ln, reinterpret_cast<sockaddr*>(&a), len) == 0 &&
+            listen(ln, 1) == 0 &&
+            getsockname(ln, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  fds[1] = ok ? socket(AF_INET, SOCK_STREAM, 0) : -1;
+  ok = ok && fds[1] >= 0 &&
+       connect(fds[1], reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  fds[0] = ok ? accept(ln, nullptr, nullptr) : -1;
+  if (ln >= 0) close(ln);
+  return ok && fds[0] >= 0;
+}
+
+bool WriteAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// A peer that dies in the middle of a WRITE's payload: the last bytes it
+// sent and the end of its stream reach us together, so one read comes back
+// short with the end still queued behind it, and nothing will signal the
+// socket again. The QP must still see the end: it goes to the error state
+// and flushes its receive. `peer_reads` false: the peer dies with our
+// hello unread, so the kernel resets the connection instead of closing it.
+// (A short read used to be taken as "drained" even then: the QP waited for
+// a peer that was gone.)
+struct DeathCase {
+  size_t write_len;  // the WRITE's announced payload
+  size_t sent;       // how much of it the peer sent
+  bool peer_reads;
+};
+
+class PeerDiesMidPayloadTest : public SoftFixture,
+                               public ::testing::WithParamInterface<DeathCase> {
+};
+
+TEST_P(PeerDiesMidPayloadTest, TheEndIsSeenAfterAShortRead) {
+  const DeathCase& c = GetParam();
+  Drive(cq_b_.get());
+  int fds[2];
+  ASSERT_TRUE(TcpPair(fds));
+  std::vector<char> land(c.write_len);
+  auto mr = Reg(pd_b_.get(), land.data(), land.size());
+  auto qp = CreateQpOnSocket(pd_b_.get(), Init(cq_b_.get()), fds[0]);
+  ASSERT_TRUE(qp.ok()) << qp.status();
+  uint64_t slot = 0;
+  auto gmr = Reg(pd_b_.get(), &slot, sizeof(slot));
+  ibv_sge r = Sge(&slot, 8, gmr->lkey());
+  ASSERT_TRUE(PostRecv1(qp->get(), 5, &r, 1).ok());
+  if (c.peer_reads) {
+    char hello[wire::kHeaderSize];
+    ASSERT_TRUE(ReadableWithin(fds[1], 5000));
+    ASSERT_EQ(read(fds[1], hello, sizeof(hello)),
+              static_cast<ssize_t>(sizeof(hello)));
+  }
+  // Everything the peer ever sends, then its end, before our side reads.
+  std::vector<char> out(2 * wire::kHeaderSize + c.sent, 'x');
+  wire::Header h;
+  h.opcode = wire::kHello;
+  h.addr = wire::kHelloMagic;
+  h.dma_len = wire::kVersion;
+  h.qpn = 77;
+  wire::Encode(h, out.data());
+  h = wire::Header{};
+  h.opcode = wire::kWrite;
+  h.payload_len = static_cast<uint32_t>(c.write_len);
+  h.addr = reinterpret_cast<uintptr_t>(land.data());
+  h.rkey = mr->rkey();
+  wire::Encode(h, out.data() + wire::kHeaderSize);
+  ASSERT_TRUE(WriteAll(fds[1], out.data(), out.size()));
+  close(fds[1]);
+  ibv_wc wc = PollOne(cq_b_.get(), std::chrono::seconds(10));
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.wr_id, 5u);
+  EXPECT_EQ((*qp)->state(), IBV_QPS_ERR);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, PeerDiesMidPayloadTest,
+    ::testing::Values(
+        // Received on the reactor (at most kInlineBulk left).
+        DeathCase{128 * 1024, 16 * 1024, true},
+        DeathCase{128 * 1024, 16 * 1024, false},
+        // A bulk payload: received on the progress thread.
+        DeathCase{2 * 1024 * 1024, 512 * 1024, true},
+        DeathCase{2 * 1024 * 1024, 512 * 1024, false}));
 
 }  // namespace
 }  // namespace coverbs::transport::soft::testing
