@@ -246,7 +246,9 @@ class Connection {
   // down, destroys the QP. Idempotent.
   Task<absl::Status> Close();
 
-  // OK while usable; else why it went down.
+  // OK while usable; else why it went down. An operation whose own work
+  // completion failed (a remote access error on a WRITE, say) takes the
+  // connection down before it returns: the QP is in the error state.
   absl::Status status() const;
   const PeerInfo& peer() const;
   // What this side announced in its handshake (credits, receive buffer

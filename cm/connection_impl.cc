@@ -13,6 +13,7 @@
 #include "cm/worker_shared.h"
 #include "core/timeout.h"
 #include "transport/cm_trace.h"
+#include "transport/errors.h"
 
 namespace coverbs::cm::internal {
 
@@ -237,6 +238,16 @@ absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
       absl::StrContains(s.message(), "WR_FLUSH_ERR") ||
       absl::StrContains(s.message(), "error state") ||
       absl::StrContains(s.message(), "was destroyed");
+  if (!consequence && status_.ok() && transport::WcStatusOf(s).has_value()) {
+    // The operation's own completion failed (not a registration or a
+    // buffer that could not be had): the reliable QP is in the error state
+    // now, so the connection is down. It says so at once, with this
+    // reason, instead of when a flushed receive reports it later.
+    Fail(absl::Status(s.code(), absl::StrCat("connection lost: ", op,
+                                             " failed: ", s.message())));
+    return absl::Status(s.code(),
+                        absl::StrCat(op, " on ", name_, ": ", s.message()));
+  }
   if (!s.ok() && !consequence) {
     if (status_is_flush_) {
       status_ = absl::Status(

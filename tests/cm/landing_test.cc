@@ -248,10 +248,16 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
       EXPECT_NE(std::string(w.message()).find("REM_ACCESS_ERR"),
                 std::string::npos)
           << w;
+      // The WRITE's own completion fails the connection at once, with
+      // its reason (not later, when a flushed receive reports it).
+      EXPECT_FALSE(p->client->status().ok());
+      EXPECT_NE(std::string(p->client->status().message())
+                    .find("REM_ACCESS_ERR"),
+                std::string::npos)
+          << p->client->status();
     }
-    // The connection learns that its QP is in error from the flushes that
-    // follow the failed WRITE, which may come in a later poll than the
-    // WRITE's own completion (seen under ASan): wait for it, bounded.
+    // iWARP: the TERMINATE that ends the connection comes later; wait for
+    // it, bounded.
     absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (p->client->status().ok() && absl::Now() < deadline) {
       co_await t->reactor_->Sleep(absl::Milliseconds(5));
