@@ -32,6 +32,13 @@
 #   CORO_RPC_ECHO   a coro_rpc_echo binary built before (skips the compile)
 #   TCP_ECHO        a tcp_echo binary built before (skips its build)
 #   NO_CORO_RPC [0] 1: coverbs and tcp only, as the argument `-`
+#   PIN []          pin both processes of every implementation with taskset:
+#                   split = server on CPU 1, client on CPU 0; same = both on
+#                   CPU 0; empty = the scheduler places them. On a 2-core
+#                   host the unpinned TCP echo swings between ~0.3 M and
+#                   ~1.2 M calls/s at 64 B depending on whether its two
+#                   processes share a core, so pinned runs are the ones
+#                   whose ratios repeat.
 #
 # CPU per call: each process's whole-life CPU (user + system, all threads,
 # from wait4's rusage) for a run of CALLS calls, minus the same for a run of
@@ -60,6 +67,12 @@ depth="${DEPTH:-16}"
 threads="${THREADS:-1}"
 provider="${PROVIDER:-auto}"
 [ "${#sizes[@]}" -eq "${#calls[@]}" ] || { echo "SIZES and CALLS differ in length" >&2; exit 2; }
+case "${PIN:-}" in
+  split) srv_pin=(taskset -c 1) cli_pin=(taskset -c 0) ;;
+  same) srv_pin=(taskset -c 0) cli_pin=(taskset -c 0) ;;
+  "") srv_pin=() cli_pin=() ;;
+  *) echo "PIN must be split, same or empty" >&2; exit 2 ;;
+esac
 
 work="$(mktemp -d)"
 spid=""
@@ -141,27 +154,27 @@ run_pair() {
   local impl=$1 size=$2 n=$3 port rate
   rm -f "$work/port" "$work/srv.cpu" "$work/cli.cpu"
   if [ "$impl" = coverbs ]; then
-    python3 "$work/cpu_of.py" "$work/srv.cpu" "$bins/echo_server" --address=127.0.0.1 --port=0 \
+    python3 "$work/cpu_of.py" "$work/srv.cpu" "${srv_pin[@]}" "$bins/echo_server" --address=127.0.0.1 --port=0 \
       --port_file="$work/port" --threads="$threads" --provider="$provider" \
       >"$work/srv.out" 2>&1 &
     spid=$!
     for _ in $(seq 1 300); do [ -s "$work/port" ] && break; sleep 0.05; done
     port=$(cat "$work/port")
-    cpu_of "$work/cli.cpu" "$bins/echo_client" --server=127.0.0.1 --port="$port" \
+    cpu_of "$work/cli.cpu" "${cli_pin[@]}" "$bins/echo_client" --server=127.0.0.1 --port="$port" \
       --sizes="$size" --calls="$n" --concurrency="$depth" --connections=1 \
       --provider="$provider" >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     # The table row: size calls errors elapsed calls/s ...
     rate=$(awk -v s="$size" '$1 == s && $3 == 0 { print $5 }' "$work/cli.out")
   elif [ "$impl" = coro_rpc ]; then
     port=$(free_port)
-    python3 "$work/cpu_of.py" "$work/srv.cpu" "$coro" server "$port" "$threads" >"$work/srv.out" 2>&1 &
+    python3 "$work/cpu_of.py" "$work/srv.cpu" "${srv_pin[@]}" "$coro" server "$port" "$threads" >"$work/srv.out" 2>&1 &
     spid=$!
-    cpu_of "$work/cli.cpu" "$coro" client "$port" "$size" "$n" "$depth" \
+    cpu_of "$work/cli.cpu" "${cli_pin[@]}" "$coro" client "$port" "$size" "$n" "$depth" \
       >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     rate=$(sed -n 's/.* errors=0 .*calls_per_s=\([0-9.]*\).*/\1/p' "$work/cli.out")
   else
     # tcp_echo binds port 0 and prints "port=N" once it listens.
-    python3 "$work/cpu_of.py" "$work/srv.cpu" "$tcp" server 0 "$threads" >"$work/srv.out" 2>&1 &
+    python3 "$work/cpu_of.py" "$work/srv.cpu" "${srv_pin[@]}" "$tcp" server 0 "$threads" >"$work/srv.out" 2>&1 &
     spid=$!
     port=""
     for _ in $(seq 1 300); do
@@ -170,7 +183,7 @@ run_pair() {
       sleep 0.05
     done
     [ -n "$port" ] || { echo "tcp_echo server printed no port:" >&2; cat "$work/srv.out" >&2; return 1; }
-    cpu_of "$work/cli.cpu" "$tcp" client "$port" "$size" "$n" "$depth" \
+    cpu_of "$work/cli.cpu" "${cli_pin[@]}" "$tcp" client "$port" "$size" "$n" "$depth" \
       >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     rate=$(sed -n 's/.* errors=0 .*calls_per_s=\([0-9.]*\).*/\1/p' "$work/cli.out")
   fi
@@ -184,7 +197,8 @@ run_pair() {
 median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
 echo "# $(date -u +%FT%TZ) $(uname -n), load $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores;" \
-  "1 connection x $depth in flight, server threads $threads, coverbs provider $provider;" \
+  "1 connection x $depth in flight, server threads $threads, coverbs provider $provider," \
+  "pin ${PIN:-none};" \
   "${impls[*]}"
 results="$work/results"
 : >"$results"
