@@ -35,6 +35,7 @@ Task<absl::Status> Connection::Send(transport::LocalBuffer registered) {
   return impl_->SendRegistered(registered);
 }
 Task<absl::StatusOr<Message>> Connection::Recv() { return impl_->Recv(); }
+std::optional<Message> Connection::TryRecv() { return impl_->TryRecv(); }
 Task<absl::Status> Connection::Read(transport::LocalBuffer local,
                                     transport::RemoteRegion remote) {
   return impl_->OneSided(true, local, remote);

@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -43,8 +44,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cm/worker.h"
 #include "cm/handshake.h"
+#include "cm/worker.h"
 #include "core/task.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
@@ -202,6 +203,12 @@ class Connection {
   // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).
   Task<absl::Status> Send(transport::LocalBuffer registered);
   Task<absl::StatusOr<Message>> Recv();
+  // The message Recv would return at once, taken without suspending; none
+  // when Recv would wait (nothing deliverable yet, another Recv waits
+  // ahead) or report the connection's end (Recv then says why). For
+  // receive loops that poll before they wait: Recv's coroutine frame was
+  // most of what receiving a small message cost (bench/RESULTS.md).
+  std::optional<Message> TryRecv();
 
   // --- One-sided.
   // The token for `mr` (or a slice). Fails with InvalidArgument if `mr` is

@@ -93,6 +93,14 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
   Task<absl::Status> SendRegistered(LocalBuffer b);
   Task<absl::StatusOr<Message>> Recv();
+  // Recv's first step, without a frame: a deliverable message if one is
+  // there and no Recv waits ahead of the caller (TryAcquire fails then).
+  std::optional<Message> TryRecv() {
+    if (ready_.empty() || !ready_count_.TryAcquire(1)) return std::nullopt;
+    std::optional<Message> m(std::move(ready_.front()));
+    ready_.pop_front();
+    return m;
+  }
   Task<absl::Status> OneSided(bool read, LocalBuffer local, RemoteRegion r);
   // On plain memory: registers it through the Worker's cache first.
   Task<absl::Status> OneSidedPlain(bool read, const std::byte* data,

@@ -195,11 +195,17 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
   cm::Connection& conn = *st->conn;
   bool close = false;
   for (;;) {
-    auto m = co_await conn.Recv();
-    if (!m.ok()) {
-      st->FailAll(absl::UnavailableError(absl::StrCat(
-          "rpc connection ", conn.name(), " is down: ", m.status().message())));
-      break;
+    // A response already there is taken without Recv's coroutine frame.
+    std::optional<cm::Message> m = conn.TryRecv();
+    if (!m.has_value()) {
+      auto r = co_await conn.Recv();
+      if (!r.ok()) {
+        st->FailAll(absl::UnavailableError(
+            absl::StrCat("rpc connection ", conn.name(),
+                         " is down: ", r.status().message())));
+        break;
+      }
+      m.emplace(*std::move(r));
     }
     auto f = DecodeFrame(m->data(), Side::kClient, st->limits);
     if (!f.ok()) {
