@@ -31,6 +31,10 @@ Task<absl::Status> Connection::SendV(
     std::span<const std::span<const std::byte>> parts) {
   return impl_->SendParts(parts);
 }
+Connection::SendVAwaiter Connection::SendVDirect(
+    std::span<const std::span<const std::byte>> parts) {
+  return SendVAwaiter(impl_.get(), parts);
+}
 Task<absl::Status> Connection::Send(transport::LocalBuffer registered) {
   return impl_->SendRegistered(registered);
 }

@@ -138,6 +138,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
  private:
   friend class ConnectionTestPeer;
+  friend class cm::Connection::SendVAwaiter;  // SendSmall's path, frameless
   // Sends one small message (header + parts copied into a pooled buffer)
   // of `total` payload bytes (the parts' and zero_copy's together).
   Task<absl::Status> SendSmall(

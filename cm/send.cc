@@ -200,6 +200,62 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   co_return absl::OkStatus();
 }
 
+}  // namespace coverbs::cm::internal
+
+namespace coverbs::cm {
+
+namespace {
+// Builds the operation in an optional in place: QueuePair::Send returns it
+// as a prvalue (an Op is neither copied nor moved).
+struct MakeSendOp {
+  transport::QueuePair* qp;
+  const transport::LocalBuffer* sge;
+  transport::SendOptions so;
+  operator transport::QueuePair::Op() const { return qp->Send(*sge, so); }
+};
+}  // namespace
+
+Connection::SendVAwaiter::Step Connection::SendVAwaiter::Start(
+    std::coroutine_handle<> h) {
+  internal::ConnectionImpl& c = *impl_;
+  size_t total = 0;
+  for (auto p : parts_) total += p.size();
+  // SendSmall's fast path (TryAcquireSend checks what CheckUp would).
+  if (total > c.eager_max_ || total > c.peer_max_ || !c.TryAcquireSend(buf_)) {
+    slow_ = c.SendParts(parts_);
+    return Step::kSlow;
+  }
+  total_ = static_cast<uint32_t>(total);
+  internal::WireHeader hd;
+  c.FillHeader(hd, internal::kData, total_, 0, 0);
+  std::byte* d = buf_->data();
+  std::memcpy(d, &hd, internal::kHeaderSize);
+  const size_t len = internal::kHeaderSize +
+                     internal::CopyParts(d + internal::kHeaderSize, parts_);
+  const transport::LocalBuffer sge{d, static_cast<uint32_t>(len), c.send_lkey_};
+  transport::SendOptions so;
+  so.inline_data = len <= c.qp_->max_inline_data();
+  // As in SendSmall: once posted, the message goes (a cancelled caller
+  // waits for the completion instead of failing the QP).
+  so.ignore_stop = true;
+  c.send_turn_.Release(1);  // posted in order: nothing runs before the post
+  op_.emplace(MakeSendOp{c.qp_.get(), &sge, so});
+  return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
+}
+
+absl::Status Connection::SendVAwaiter::await_resume() {
+  if (slow_.valid()) return std::move(slow_.handle().promise()).result();
+  absl::Status s = op_->TakeStatus();
+  if (!s.ok()) return impl_->OpError("send", s);
+  ++impl_->stats_.messages_sent;
+  impl_->stats_.bytes_sent += total_;
+  return absl::OkStatus();
+}
+
+}  // namespace coverbs::cm
+
+namespace coverbs::cm::internal {
+
 Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
                                        uint16_t flags,
                                        std::vector<std::byte> payload) {

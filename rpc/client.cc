@@ -364,7 +364,8 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
   const HeaderBytes hdr =
       RequestHeader(id, method_id, static_cast<uint32_t>(payload.size()));
   std::span<const std::byte> parts[2] = {hdr, payload};
-  absl::Status sent = co_await st->conn->SendV(parts);
+  // Direct: a small request goes without a send coroutine of its own.
+  absl::Status sent = co_await st->conn->SendVDirect(parts);
   if (sent.ok()) co_await p;
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.

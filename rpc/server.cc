@@ -410,8 +410,9 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
                                        static_cast<uint32_t>(data.size()));
       std::span<const std::byte> parts[2] = {hdr, data};
       // Failure means the connection is going down; its receive loop
-      // reports that.
-      absl::Status sent = co_await c->conn->SendV(parts);
+      // reports that. Direct: a small response goes without a send
+      // coroutine of its own.
+      absl::Status sent = co_await c->conn->SendVDirect(parts);
       if (sent.ok()) stats_.response_bytes.fetch_add(data.size());
     }
   } else {

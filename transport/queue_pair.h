@@ -144,6 +144,12 @@ class OpBase : public WorkRequest,
     return Suspend(h, coverbs::internal::StopTokenOf(h));
   }
   absl::StatusOr<WorkCompletion> await_resume();
+  // await_resume for a caller that needs only whether the operation
+  // succeeded: no WorkCompletion built.
+  absl::Status TakeStatus() {
+    cb_.reset();
+    return early_;
+  }
 
   void OnCompletion(const ibv_wc& wc) override;
 
