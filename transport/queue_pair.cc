@@ -340,7 +340,11 @@ void QueuePair::CancelOp(Op* op) {
   }
 }
 
-bool QueuePair::Start(Op* op) {
+// Start, PostNow and Release always inline (gcc does not on its own):
+// each message's send runs Suspend -> Start -> PostNow and OnCompletion ->
+// Release, and a call and its prologue each were ~15% of the transport's
+// instructions per message.
+[[gnu::always_inline]] inline bool QueuePair::Start(Op* op) {
   if (!op->early_.ok()) {
     op->completed_ = true;
     return false;
@@ -377,7 +381,7 @@ bool QueuePair::Start(Op* op) {
   return true;
 }
 
-absl::Status QueuePair::PostNow(Op* op) {
+[[gnu::always_inline]] inline absl::Status QueuePair::PostNow(Op* op) {
   if (qp_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s on QP 0x%x: the QP was destroyed", op->name_, qp_num_));
@@ -431,7 +435,7 @@ absl::Status QueuePair::PostNow(Op* op) {
   return absl::OkStatus();
 }
 
-void QueuePair::Release(Op* op) {
+[[gnu::always_inline]] inline void QueuePair::Release(Op* op) {
   if (op->linked()) posted_ops_.erase(op);
   (op->is_recv_ ? rq_free_ : sq_free_) += op->slots_;
   const ibv_wc& w = op->first_error_ ? *op->first_error_ : op->wc_;
@@ -448,6 +452,59 @@ void QueuePair::Release(Op* op) {
     PumpWaiters();
   }
 }
+
+namespace internal_qp {
+
+bool OpBase::Suspend(std::coroutine_handle<> h, std::stop_token token) {
+  waiter_ = h;
+  reactor_ = qp_->cq_->reactor();
+  if (token.stop_requested()) {
+    cancelled_ = true;
+    early_ = absl::CancelledError(absl::StrFormat(
+        "%s on QP 0x%x cancelled before it was posted", name_, qp_num_));
+    completed_ = true;
+    return false;
+  }
+  if (!qp_->Start(this)) return false;  // finished synchronously
+  if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
+  return true;
+}
+
+void OpBase::OnCompletion(const ibv_wc& wc) {
+  if (completed_) {
+    // A second completion for a finished WR (a device bug): counting it
+    // again would corrupt the QP's accounting and resume the waiter twice.
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x: a second completion (%s) for %s, which already "
+                "completed; ignored",
+                qp_num_, WcStatusName(wc.status), name_);
+    return;
+  }
+  if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
+  if (!(wc.wr_id & 1)) {  // a non-terminal WR of a batch (errors only)
+    ++nonterminal_seen_;
+    return;
+  }
+  wc_ = wc;
+  completed_ = true;
+  const ibv_wc& w = first_error_ ? *first_error_ : wc_;
+  if (w.status != IBV_WC_SUCCESS) {
+    if (cancelled_.load(std::memory_order_acquire) &&
+        w.status == IBV_WC_WR_FLUSH_ERR) {
+      early_ = absl::CancelledError(absl::StrFormat(
+          "%s on QP 0x%x cancelled: the QP was moved to the error state to "
+          "take the work request back from the NIC",
+          name_, qp_num_));
+    } else {
+      early_ = WcError(w.status, w.vendor_err, name_, qp_num_,
+                       qp_->caps().device_name);
+    }
+  }
+  qp_->Release(this);
+  Resume();
+}
+
+}  // namespace internal_qp
 
 void QueuePair::PumpWaiters() {
   for (auto* list : {&send_waiters_, &recv_waiters_}) {

@@ -133,6 +133,11 @@ class OpBase : public WorkRequest,
                public coverbs::internal::ListNode<OpBase> {
  public:
   OpBase(QueuePair* qp, const OpSpec& spec);
+  // A SEND of 1..kInlineSges buffers without immediate data, within the
+  // QP's SGE and inline limits (QueuePair::Send checks): what a connection
+  // posts per message, built without an OpSpec, its Status and its checks.
+  OpBase(QueuePair* qp, std::span<const LocalBuffer> bufs,
+         const SendOptions& o);
   OpBase(const OpBase&) = delete;
   ~OpBase();
 
@@ -308,6 +313,10 @@ class QueuePair final : private WrOwner {
   // --- Two-sided.
   Op Send(std::span<const LocalBuffer> bufs, SendOptions o = {});
   Op Send(LocalBuffer buf, SendOptions o = {}) {
+    if (!o.imm && (!o.inline_data || buf.length <= max_inline_) &&
+        options_.max_send_sge >= 1) {
+      return Op(this, std::span<const LocalBuffer>(&buf, 1), o);
+    }
     return Send(std::span<const LocalBuffer>(&buf, 1), o);
   }
   Op Recv(std::span<const LocalBuffer> bufs);
@@ -430,6 +439,26 @@ class QueuePair final : private WrOwner {
   // posted (SetError, or a failed completion).
   void WatchFlushes();
 };
+
+namespace internal_qp {
+// Inline: built per message, into the caller's frame.
+inline OpBase::OpBase(QueuePair* qp, std::span<const LocalBuffer> bufs,
+                      const SendOptions& o)
+    : qp_(qp),
+      is_recv_(false),
+      cancellable_(!o.ignore_stop),
+      name_("SEND"),
+      qp_num_(qp->qp_num()) {
+  for (size_t i = 0; i < bufs.size(); ++i) sge_inline_[i] = bufs[i].sge();
+  swr_ = ibv_send_wr{};
+  swr_.wr_id = reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(this)) | 1;
+  swr_.sg_list = sge_inline_;
+  swr_.num_sge = static_cast<int>(bufs.size());
+  swr_.opcode = IBV_WR_SEND;
+  swr_.send_flags = (o.inline_data ? IBV_SEND_INLINE : 0) |
+                    (o.fence ? IBV_SEND_FENCE : 0) | IBV_SEND_SIGNALED;
+}
+}  // namespace internal_qp
 
 }  // namespace coverbs::transport
 

@@ -114,6 +114,16 @@ void QueuePair::LimitSges(internal_qp::OpSpec& spec, const char* limit_name,
 
 QueuePair::Op QueuePair::Send(std::span<const LocalBuffer> bufs,
                               SendOptions o) {
+  // The usual message (no immediate, a few SGEs, inline only if it fits):
+  // without the OpSpec and the checks below, which it passes.
+  if (!o.imm && !bufs.empty() && bufs.size() <= internal_qp::kInlineSges &&
+      bufs.size() <= options_.max_send_sge) {
+    uint64_t total = 0;
+    if (o.inline_data) {
+      for (const LocalBuffer& b : bufs) total += b.length;
+    }
+    if (total <= max_inline_) return Op(this, bufs, o);
+  }
   internal_qp::OpSpec spec =
       MakeSpec(o.imm ? "SEND_WITH_IMM" : "SEND",
                o.imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND, bufs);

@@ -1,9 +1,9 @@
 // internal_qp::OpBase: one operation as an awaitable in the coroutine
-// frame. The work request built from its OpSpec, posting when the
-// coroutine suspends (QueuePair::Start), cancellation by stop token, the
-// completion that turns an ibv_wc into the awaited StatusOr<WorkCompletion>
-// and resumes the coroutine, and a destructor that never lets the NIC
-// complete into a destroyed frame.
+// frame. The work request built from its OpSpec, cancellation by stop
+// token, the awaited StatusOr<WorkCompletion>, and a destructor that never
+// lets the NIC complete into a destroyed frame. Posting when the coroutine
+// suspends (Suspend) and the completion that resumes it (OnCompletion) are
+// in queue_pair.cc, beside the QueuePair steps they inline.
 #include <arpa/inet.h>
 
 #include <memory>
@@ -89,22 +89,6 @@ OpBase::~OpBase() {
   if (!completed_) qp_->Abandon("an operation's frame was destroyed");
 }
 
-bool OpBase::Suspend(std::coroutine_handle<> h, std::stop_token token) {
-  waiter_ = h;
-  reactor_ = qp_->cq_->reactor();
-  if (token.stop_requested()) {
-    cancelled_ = true;
-    early_ = absl::CancelledError(
-        absl::StrFormat("%s on QP 0x%x cancelled before it was posted", name_,
-                        qp_num_));
-    completed_ = true;
-    return false;
-  }
-  if (!qp_->Start(this)) return false;  // finished synchronously
-  if (token.stop_possible()) cb_.emplace(std::move(token), Canceller{this});
-  return true;
-}
-
 void OpBase::Canceller::operator()() const noexcept {
   op->cancelled_.store(true, std::memory_order_release);
   Reactor* r = op->reactor_;
@@ -131,40 +115,6 @@ void OpBase::Fail(absl::Status s) {
 
 void OpBase::Resume() {
   if (!destroying_) reactor_->Schedule(waiter_);
-}
-
-void OpBase::OnCompletion(const ibv_wc& wc) {
-  if (completed_) {
-    // A second completion for a finished WR (a device bug): counting it
-    // again would corrupt the QP's accounting and resume the waiter twice.
-    COVERBS_LOG(kWarning, "transport",
-                "QP 0x%x: a second completion (%s) for %s, which already "
-                "completed; ignored",
-                qp_num_, WcStatusName(wc.status), name_);
-    return;
-  }
-  if (wc.status != IBV_WC_SUCCESS && !first_error_) first_error_ = wc;
-  if (!(wc.wr_id & 1)) {  // a non-terminal WR of a batch (errors only)
-    ++nonterminal_seen_;
-    return;
-  }
-  wc_ = wc;
-  completed_ = true;
-  const ibv_wc& w = first_error_ ? *first_error_ : wc_;
-  if (w.status != IBV_WC_SUCCESS) {
-    if (cancelled_.load(std::memory_order_acquire) &&
-        w.status == IBV_WC_WR_FLUSH_ERR) {
-      early_ = absl::CancelledError(absl::StrFormat(
-          "%s on QP 0x%x cancelled: the QP was moved to the error state to "
-          "take the work request back from the NIC",
-          name_, qp_num_));
-    } else {
-      early_ = WcError(w.status, w.vendor_err, name_, qp_num_,
-                       qp_->caps().device_name);
-    }
-  }
-  qp_->Release(this);
-  Resume();
 }
 
 absl::StatusOr<WorkCompletion> OpBase::await_resume() {
