@@ -1,9 +1,11 @@
 #include "rpc/server.h"
 
+#include <array>
 #include <future>
 #include <optional>
 #include <utility>
 
+#include "absl/container/node_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/reactor.h"
@@ -12,19 +14,88 @@
 
 namespace coverbs::rpc {
 
+namespace {
+
+// A running call: its handler's stop source (a cancel frame or the
+// connection's end stops it).
+struct Call {
+  std::stop_source stop;
+  bool cancelled_by_peer = false;
+};
+
+// The running calls of a connection by id. Clients number their calls from
+// a counter, so the calls in flight nearly always sit in distinct slots of
+// a small ring indexed by the id: adding, finding and removing are an array
+// access (with a hash map for all of them, the three and the hash cost
+// ~130 instructions per call). An id whose slot is taken goes to the map.
+// Reactor thread only.
+class CallTable {
+ public:
+  // The new call's record (valid until its Remove), or null when a call
+  // with this id is running.
+  Call* Add(uint64_t id) {
+    Slot& s = ring_[id & (kRing - 1)];
+    if (!s.used) {
+      // The id may have gone to the map while its slot was taken.
+      if (!overflow_.empty() && overflow_.contains(id)) return nullptr;
+      s.used = true;
+      s.id = id;
+      s.call = Call{};
+      return &s.call;
+    }
+    if (s.id == id) return nullptr;
+    auto [it, fresh] = overflow_.try_emplace(id);
+    return fresh ? &it->second : nullptr;
+  }
+  Call* Find(uint64_t id) {
+    Slot& s = ring_[id & (kRing - 1)];
+    if (s.used && s.id == id) return &s.call;
+    if (overflow_.empty()) return nullptr;
+    auto it = overflow_.find(id);
+    return it == overflow_.end() ? nullptr : &it->second;
+  }
+  void Remove(uint64_t id) {
+    Slot& s = ring_[id & (kRing - 1)];
+    if (s.used && s.id == id) {
+      s.used = false;
+      return;
+    }
+    if (!overflow_.empty()) overflow_.erase(id);
+  }
+  void StopAll() {
+    for (Slot& s : ring_) {
+      if (s.used) s.call.stop.request_stop();
+    }
+    for (auto& [id, call] : overflow_) call.stop.request_stop();
+  }
+
+ private:
+  static constexpr size_t kRing = 256;
+  struct Slot {
+    uint64_t id = 0;
+    bool used = false;
+    Call call;
+  };
+  std::array<Slot, kRing> ring_;
+  // Node-based: a record's address stays put while others come and go.
+  absl::node_hash_map<uint64_t, Call> overflow_;
+};
+
+}  // namespace
+
 // One connection's serving state. Shared by its receive loop and its call
 // coroutines; lives on the connection's reactor.
 struct Server::Conn {
-  struct Call {
-    std::stop_source stop;
-    bool cancelled_by_peer = false;
-  };
-
   Server* server = nullptr;
   cm::Worker* ctx = nullptr;
   std::unique_ptr<cm::Connection> conn;
   std::stop_source stop;  // Shutdown: ends the receive loop
-  absl::flat_hash_map<uint64_t, Call> calls;  // by value: no allocation
+  CallTable calls;
+  // The method of the last request: methods_ does not change once serving
+  // started, and a connection's requests mostly name one method (a hash
+  // lookup per request otherwise).
+  uint32_t last_method_id = 0;
+  const Method* last_method = nullptr;
   Semaphore running;    // handler slots
   Semaphore admission;  // running + queued
   WaitGroup active;     // call coroutines alive
@@ -281,7 +352,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       why = absl::Status(f.status().code(),
                          absl::StrCat("rpc server on ", conn.name(),
                                       ": bad frame: ", f.status().message()));
-      if (id != 0 && !c->calls.contains(id)) {
+      if (id != 0 && c->calls.Find(id) == nullptr) {
         (void)co_await Unstoppable(
             WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
       }
@@ -292,20 +363,20 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     const FrameHeader& h = f->header;
     if (h.type == FrameType::kCancel) {
       stats_.cancels_received.fetch_add(1);
-      auto it = c->calls.find(h.call_id);
+      Call* call = c->calls.Find(h.call_id);
       // Unknown id: the call already finished (its response crossed the
       // cancel on the wire) -- nothing to do.
-      if (it != c->calls.end() && !it->second.cancelled_by_peer) {
-        it->second.cancelled_by_peer = true;
-        it->second.stop.request_stop();
+      if (call != nullptr && !call->cancelled_by_peer) {
+        call->cancelled_by_peer = true;
+        call->stop.request_stop();
       }
       continue;
     }
-    // A request. Its call record goes in first: one hash lookup both
-    // finds a reused id and makes the entry (taken out again below when
-    // the request goes no further).
-    auto [call_it, fresh] = c->calls.try_emplace(h.call_id);
-    if (!fresh) {
+    // A request. Its call record goes in first: one lookup both finds a
+    // reused id and makes the entry (taken out again below when the
+    // request goes no further).
+    Call* call = c->calls.Add(h.call_id);
+    if (call == nullptr) {
       stats_.protocol_errors.fetch_add(1);
       why = absl::InvalidArgumentError(absl::StrCat(
           "rpc server on ", conn.name(), ": call id ", h.call_id,
@@ -314,9 +385,17 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
           WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
       break;
     }
-    auto mit = methods_.find(h.method_id);
-    if (mit == methods_.end()) {
-      c->calls.erase(call_it);
+    const Method* method = c->last_method;
+    if (method == nullptr || c->last_method_id != h.method_id) {
+      auto mit = methods_.find(h.method_id);
+      method = mit == methods_.end() ? nullptr : mit->second.get();
+      if (method != nullptr) {
+        c->last_method_id = h.method_id;
+        c->last_method = method;
+      }
+    }
+    if (method == nullptr) {
+      c->calls.Remove(h.call_id);
       stats_.unknown_method.fetch_add(1);
       co_await SendError(
           c.get(), h.call_id, h.method_id,
@@ -327,13 +406,13 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }
     // The handler's token, taken before the await below (other calls may
     // end meanwhile and erase their entries).
-    std::stop_token token = call_it->second.stop.get_token();
+    std::stop_token token = call->stop.get_token();
     // A free slot is taken without an awaiter (built and torn down per
     // request otherwise).
     if (!c->admission.TryAcquire()) {
       absl::Status admitted = co_await c->admission.Acquire();
       if (!admitted.ok()) {
-        c->calls.erase(h.call_id);
+        c->calls.Remove(h.call_id);
         why = admitted;
         break;
       }
@@ -349,17 +428,16 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       }
       return Payload(*std::move(m), kHeaderSize, c->held_anchor);
     };
-    Request req{mit->second->name, h.method_id, h.call_id, &conn.peer(),
+    Request req{method->name, h.method_id, h.call_id, &conn.peer(),
                 take_payload()};
     c->active.Add();
     // A plain pointer to the connection state: this loop holds it and
     // waits for every call (c->active) before it lets go.
-    c->ctx->reactor().Spawn(
-        RunCall(c.get(), h.call_id, mit->second.get(), std::move(req)),
-        std::move(token));
+    c->ctx->reactor().Spawn(RunCall(c.get(), h.call_id, method, std::move(req)),
+                            std::move(token));
   }
   // The connection is done: stop every call, wait for them, close.
-  for (auto& [id, call] : c->calls) call.stop.request_stop();
+  c->calls.StopAll();
   // Handlers honour their stop token, so this ends.
   (void)co_await Unstoppable(
       [](WaitGroup* wg) -> Task<absl::Status> { co_return co_await wg->Wait(); }(
@@ -388,10 +466,9 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
     ran.emplace(co_await method->handler(std::move(req)));
     c->running.Release();
   }
-  auto it = c->calls.find(call_id);
-  bool cancelled = stopped || (it != c->calls.end() &&
-                               it->second.stop.stop_requested());
-  if (it != c->calls.end()) c->calls.erase(it);
+  Call* call = c->calls.Find(call_id);
+  bool cancelled = stopped || (call != nullptr && call->stop.stop_requested());
+  if (call != nullptr) c->calls.Remove(call_id);
   if (cancelled) {
     // The caller gave up (cancel frame) or the server is shutting down:
     // nobody waits for this response.
