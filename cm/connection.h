@@ -310,15 +310,35 @@ class Connection::SendVAwaiter {
       : impl_(impl), parts_(parts) {}
   SendVAwaiter(const SendVAwaiter&) = delete;
 
-  bool await_ready() const noexcept { return false; }
+  // Optional, before co_await: posts the message now when it goes eagerly
+  // at once, and co_await then only waits for its completion (not at all
+  // when it came meanwhile) -- for a caller with something else to await
+  // first (an rpc call's response, which usually comes with the send's
+  // completion: one resume instead of two). False: nothing is posted (the
+  // message takes SendV's path, or failed; co_await does it all or says
+  // why). Once it returned true, co_await this awaiter before it is
+  // destroyed, or its destruction waits for the completion.
+  bool PostNow() {
+    step_ = Start(std::coroutine_handle<>());
+    return step_ == Step::kPosted;
+  }
+
+  bool await_ready() const noexcept {
+    return step_ == Step::kDone || (step_ == Step::kPosted && op_->completed());
+  }
   template <typename P>
   std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) {
-    switch (Start(h)) {
+    if (step_ == Step::kPosted) {  // PostNow() posted it: wait
+      op_->Wait(h);
+      return std::noop_coroutine();
+    }
+    if (step_ == Step::kNone) step_ = Start(h);
+    switch (step_) {
       case Step::kPosted:
         return std::noop_coroutine();
       case Step::kDone:
         return h;
-      case Step::kSlow:
+      default:
         break;
     }
     // SendV's Task, awaited as any Task (it inherits h's stop token).
@@ -328,14 +348,16 @@ class Connection::SendVAwaiter {
   absl::Status await_resume();
 
  private:
-  enum class Step { kPosted, kDone, kSlow };
-  // Posts the message with `h` as the waiter when it goes eagerly at once
-  // (kPosted, or kDone when the post failed at once); else makes slow_.
+  enum class Step { kNone, kPosted, kDone, kSlow };
+  // Posts the message with `h` (may be null: PostNow) as the waiter when it
+  // goes eagerly at once (kPosted, or kDone when the post failed at once);
+  // else makes slow_ (kSlow).
   Step Start(std::coroutine_handle<> h);
 
   internal::ConnectionImpl* impl_;
   std::span<const std::span<const std::byte>> parts_;
   uint32_t total_ = 0;
+  Step step_ = Step::kNone;
   Task<absl::Status> slow_;
   // Declared before op_: destroyed after it, so the buffer stays ours until
   // the operation completed (~OpBase waits for that).

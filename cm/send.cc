@@ -240,6 +240,7 @@ Connection::SendVAwaiter::Step Connection::SendVAwaiter::Start(
   so.ignore_stop = true;
   c.send_turn_.Release(1);  // posted in order: nothing runs before the post
   op_.emplace(MakeSendOp{c.qp_.get(), &sge, so});
+  if (!h) return op_->Post() ? Step::kPosted : Step::kDone;  // PostNow
   return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
 }
 

@@ -364,9 +364,16 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
   const HeaderBytes hdr =
       RequestHeader(id, method_id, static_cast<uint32_t>(payload.size()));
   std::span<const std::byte> parts[2] = {hdr, payload};
-  // Direct: a small request goes without a send coroutine of its own.
-  absl::Status sent = co_await st->conn->SendVDirect(parts);
-  if (sent.ok()) co_await p;
+  // Direct: a small request goes without a send coroutine of its own. Once
+  // posted, the response is awaited first and the send's completion after
+  // it (it usually came with the response): this coroutine resumes once
+  // per call, not twice. A send that fails fails the connection, which
+  // completes `p` (FailAll); a stopped call still waits for its posted send.
+  cm::Connection::SendVAwaiter send = st->conn->SendVDirect(parts);
+  const bool posted = send.PostNow();
+  if (posted) co_await p;
+  absl::Status sent = co_await send;
+  if (!posted && sent.ok()) co_await p;
   if (p.result.has_value()) co_return *std::move(p.result);
   // No result: the send failed or the call was stopped.
   p.Unregister();

@@ -155,6 +155,15 @@ class OpBase : public WorkRequest,
     cb_.reset();
     return early_;
   }
+  // Posting before waiting (a caller with something else to await first;
+  // stop tokens are not watched, as with SendOptions::ignore_stop):
+  // Post() is await_suspend without a coroutine to resume (false: the
+  // operation already completed, failed); completed() says whether the
+  // completion came; Wait(h) makes `h` the coroutine it resumes (call it
+  // only while !completed(), on the reactor thread).
+  bool Post() { return Suspend(std::coroutine_handle<>(), std::stop_token()); }
+  bool completed() const { return completed_; }
+  void Wait(std::coroutine_handle<> h) { waiter_ = h; }
 
   void OnCompletion(const ibv_wc& wc) override;
 

@@ -114,7 +114,8 @@ void OpBase::Fail(absl::Status s) {
 }
 
 void OpBase::Resume() {
-  if (!destroying_) reactor_->Schedule(waiter_);
+  // No waiter: posted with Post() and not waited for yet (Wait).
+  if (!destroying_ && waiter_) reactor_->Schedule(waiter_);
 }
 
 absl::StatusOr<WorkCompletion> OpBase::await_resume() {
