@@ -159,8 +159,9 @@ struct Pending final : coverbs::internal::CancellableOp {
   // Awaiting it waits for Complete or a stop request; then `result` says
   // which.
   bool await_ready() const noexcept { return result.has_value(); }
+  // Inline: once per call (gcc made it a call of its own).
   template <typename P>
-  bool await_suspend(std::coroutine_handle<P> h) {
+  [[gnu::always_inline]] bool await_suspend(std::coroutine_handle<P> h) {
     std::stop_token token = coverbs::internal::StopTokenOf(h);
     if (token.stop_requested()) return false;
     waiter_ = h;
