@@ -191,8 +191,11 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   // above stays cancellable.
   so.ignore_stop = true;
   send_turn_.Release(1);
-  auto wc = co_await qp_->Send(std::span<const LocalBuffer>(sg, n), so);
-  if (!wc.ok()) co_return OpError("send", wc.status());
+  // A named awaiter, not a braced temporary in the co_await: gcc 12
+  // mis-copies those (the work request would name a stale address).
+  transport::StatusOf op{qp_->Send(std::span<const LocalBuffer>(sg, n), so)};
+  absl::Status sent = co_await op;
+  if (!sent.ok()) co_return OpError("send", sent);
   if (type == kData) {
     ++stats_.messages_sent;
     stats_.bytes_sent += total;
