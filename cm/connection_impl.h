@@ -264,6 +264,13 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // back (SRQ mode: or two, to grow a busy sender's window, or none, to
   // shrink one that no longer runs out).
   void Replenish();
+  // The bodies of Repost, Replenish, MaybeSendCredits and ReturnThreshold,
+  // always inlined where credits.cc calls them once per released message
+  // (ReturnSlot); the named functions call them for the other files.
+  bool RepostBody(RecvSlot* slot);
+  void ReplenishBody();
+  void MaybeSendCreditsBody();
+  uint32_t ReturnThresholdBody() const;
   absl::Status InitSrq();
   absl::Status InitAtomics();  // the 8-byte result buffers for atomics
   void Protocol(absl::string_view what);
