@@ -452,29 +452,33 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
 
 Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
                            Request req) {
-  uint32_t method_id = req.method_id;
-  bool stopped = false;
+  const uint32_t method_id = req.method_id;
   if (!c->running.TryAcquire()) {  // no awaiter when a slot is free
     absl::Status slot = co_await c->running.Acquire();
-    stopped = !slot.ok();
+    if (!slot.ok()) {
+      // Stopped while waiting for a slot (cancel frame, shutdown): the
+      // handler never ran, and nobody waits for an answer.
+      c->calls.Remove(call_id);
+      stats_.cancelled_calls.fetch_add(1);
+      c->admission.Release();
+      c->active.Done();
+      co_return;
+    }
   }
-  // Read only when the handler ran (a stopped call is not answered).
-  // Constructed from the handler's result, not assigned over a default.
-  std::optional<absl::StatusOr<Payload>> ran;
-  if (!stopped) {
-    stats_.calls.fetch_add(1);
-    ran.emplace(co_await method->handler(std::move(req)));
-    c->running.Release();
-  }
+  stats_.calls.fetch_add(1);
+  // The handler's result in place: no optional around it to construct,
+  // test and destroy per call.
+  absl::StatusOr<Payload> ran = co_await method->handler(std::move(req));
+  c->running.Release();
   Call* call = c->calls.Find(call_id);
-  bool cancelled = stopped || (call != nullptr && call->stop.stop_requested());
+  const bool cancelled = call != nullptr && call->stop.stop_requested();
   if (call != nullptr) c->calls.Remove(call_id);
   if (cancelled) {
     // The caller gave up (cancel frame) or the server is shutting down:
     // nobody waits for this response.
     stats_.cancelled_calls.fetch_add(1);
-  } else if (ran->ok()) {
-    std::span<const std::byte> data = (*ran)->data();
+  } else if (ran.ok()) {
+    std::span<const std::byte> data = ran->data();
     const uint64_t limit = c->response_limit;
     if (data.size() > limit) {
       co_await SendError(
@@ -494,7 +498,7 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
     }
   } else {
     stats_.failed_calls.fetch_add(1);
-    co_await SendError(c, call_id, method_id, ran->status());
+    co_await SendError(c, call_id, method_id, ran.status());
   }
   c->admission.Release();
   c->active.Done();
