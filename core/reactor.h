@@ -274,6 +274,9 @@ class Reactor {
   bool DrainRemote();
   int ReapCqes();
   int FireTimers();
+  // Spinning modes: an io_uring timeout at `at` that rings when the
+  // earliest timer is due (FireTimers).
+  void ArmAlarm(SteadyTime at);
   int RunReady();
   int PollAll();
   void ArmWake();
@@ -305,6 +308,14 @@ class Reactor {
 
   internal::IndexedHeap<internal::TimerNode, internal::TimerLess> timers_;
   uint64_t timer_seq_ = 0;
+  // The alarm (ArmAlarm): one is pending in the kernel for alarm_at_ (older
+  // ones for later times may be too), and whether one rang since it was
+  // armed. alarm_ts_ is read by the kernel when the SQE is submitted, at
+  // the end of the iteration that prepared it.
+  bool alarm_armed_ = false;
+  bool alarm_rang_ = false;
+  SteadyTime alarm_at_{};
+  __kernel_timespec alarm_ts_{};
 
   std::vector<Poller*> pollers_;
   // Iterations under way (a BlockOn inside a task nests one): each poller

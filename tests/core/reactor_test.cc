@@ -379,6 +379,53 @@ TEST(ReactorTest, BusyModeSpins) {
   r->RemovePoller(&p);
 }
 
+// Sleeps for `d`, then notes `id` in `order`; `early` if it woke before
+// its deadline.
+Task<void> NoteAfter(Reactor* r, absl::Duration d, int id,
+                     std::vector<int>* order, bool* early) {
+  SteadyTime due = SteadyAfter(d);
+  absl::Status s = co_await r->Sleep(d);
+  EXPECT_TRUE(s.ok()) << "sleeper " << id << ": " << s;
+  if (SteadyNow() < due) *early = true;
+  order->push_back(id);
+}
+
+// A spinning reactor reads the clock only once its io_uring alarm rang
+// (FireTimers): timers still fire, never early, in deadline order -- also
+// one added after a later one was armed (the alarm moves earlier), and
+// ones added while the alarm of a cancelled timer is still pending.
+TEST(ReactorTest, BusyModeTimersFireInOrderNeverEarly) {
+  ReactorOptions o;
+  o.poll_mode = PollMode::kBusy;
+  auto r = MakeReactor(o);
+  std::vector<int> order;
+  bool early = false;
+  absl::Status cancelled = absl::UnknownError("not run");
+  auto cancellable = [](Reactor* r, absl::Status* out) -> Task<void> {
+    *out = co_await r->Sleep(absl::Milliseconds(10));
+  };
+  auto driver = [&]() -> Task<void> {
+    Reactor* rp = r.get();
+    rp->Spawn(NoteAfter(rp, absl::Milliseconds(300), 3, &order, &early));
+    co_await rp->Yield();
+    co_await rp->Yield();  // armed, and the alarm for it
+    std::stop_source stop;
+    rp->Spawn(cancellable(rp, &cancelled), stop.get_token());
+    co_await rp->Yield();
+    co_await rp->Yield();  // the alarm moved to its 10 ms
+    stop.request_stop();   // gone; that alarm stays pending
+    co_await rp->Yield();
+    rp->Spawn(NoteAfter(rp, absl::Milliseconds(20), 1, &order, &early));
+    rp->Spawn(NoteAfter(rp, absl::Milliseconds(100), 2, &order, &early));
+    SteadyTime give_up = SteadyAfter(absl::Seconds(20));
+    while (order.size() < 3 && SteadyNow() < give_up) co_await rp->Yield();
+  };
+  r->BlockOn(driver());
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+  EXPECT_FALSE(early);
+  EXPECT_TRUE(absl::IsCancelled(cancelled)) << cancelled;
+}
+
 // Counts BeginIteration / EndIteration and checks that they nest.
 class IterationPoller : public Poller {
  public:
