@@ -102,16 +102,9 @@ void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
     return false;
   }
   std::memcpy(&h, slot->data, kHeaderSize);
-  // A data message's checks (ValidateHeader's for kData) inline: nearly
-  // every message is one, and building a Status per message was ~40
-  // instructions. Anything else, and what is wrong, ValidateHeader says.
-  const uint32_t payload = wc.byte_len - static_cast<uint32_t>(kHeaderSize);
-  const bool data_ok =
-      h.type == kData && h.length == payload &&
-      h.length <= slot_size_ - kHeaderSize &&
-      (h.flags & ~(kFlagRefused | kFlagAborted | kFlagCreditLow | kFlagPing)) ==
-          0;
-  if (!data_ok) {
+  // A data message's checks as a bool first (wire.h); anything else, and
+  // what is wrong, ValidateHeader says.
+  if (!IsValidDataHeader(h, wc.byte_len, slot_size_)) {
     absl::Status v = ValidateHeader(h, wc.byte_len, slot_size_);
     if (!v.ok()) {
       Protocol(v.message());

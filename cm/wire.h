@@ -36,6 +36,8 @@ inline constexpr uint8_t kFlagCreditLow = 4;
 // kCredit: a keepalive probe (ConnectionOptions::keepalive_interval); the
 // receiver answers with a kCredit at once (protocol version 4).
 inline constexpr uint8_t kFlagPing = 8;
+inline constexpr uint8_t kKnownFlags =
+    kFlagRefused | kFlagAborted | kFlagCreditLow | kFlagPing;
 
 struct WireHeader {
   uint8_t type;
@@ -90,6 +92,25 @@ inline constexpr uint32_t kCreditReserve = 2;
 inline constexpr uint32_t kCtsReserve = 4;
 inline constexpr uint64_t kMaxWireLength = 0xffffffffull;
 
+// A data message's announced length against what it carries and the
+// receive buffer.
+inline bool DataLengthOk(const WireHeader& h, uint32_t payload,
+                         size_t slot_size) {
+  return h.length == payload && h.length <= slot_size - kHeaderSize;
+}
+
+// ValidateHeader's verdict for a data message, as a bool: what the receive
+// path checks first (nearly every message is one, and a Status per message
+// cost ~40 instructions); anything it refuses goes through ValidateHeader,
+// which accepts or says what is wrong.
+inline bool IsValidDataHeader(const WireHeader& h, uint32_t byte_len,
+                              size_t slot_size) {
+  return h.type == kData &&
+         DataLengthOk(h, byte_len - static_cast<uint32_t>(kHeaderSize),
+                      slot_size) &&
+         (h.flags & ~kKnownFlags) == 0;
+}
+
 // Checks a received header against the completion's byte count and the
 // receive buffer size. The message names what is wrong.
 inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
@@ -101,7 +122,7 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
   uint32_t payload = byte_len - static_cast<uint32_t>(kHeaderSize);
   switch (h.type) {
     case kData:
-      if (h.length != payload || h.length > slot_size - kHeaderSize) {
+      if (!DataLengthOk(h, payload, slot_size)) {
         return absl::DataLossError(
             absl::StrFormat("data message announces %d bytes but carries %d",
                             h.length, payload));
@@ -142,7 +163,7 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
             payload));
       }
   }
-  if (h.flags & ~(kFlagRefused | kFlagAborted | kFlagCreditLow | kFlagPing)) {
+  if (h.flags & ~kKnownFlags) {
     return absl::DataLossError(absl::StrFormat("unknown flags 0x%x", h.flags));
   }
   return absl::OkStatus();
