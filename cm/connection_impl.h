@@ -243,6 +243,12 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // buffer); returns the bytes to post.
   size_t WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
                     uint16_t flags, std::span<const std::byte> payload);
+  // The same for a payload gathered from `parts`, under a header that
+  // announces `length` bytes (more than `parts` hold when the rest goes as
+  // a second SGE, SendSmall's zero copy).
+  size_t WriteFrame(std::byte* dst, MsgType type, uint32_t length,
+                    uint32_t cookie,
+                    std::span<const std::span<const std::byte>> parts);
   // An internal send (control, CTS, credit) failed: the connection is lost,
   // unless it is already down or closing.
   void FailInternalSend(const absl::Status& s, const char* what);
