@@ -245,8 +245,6 @@ absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
     // reason, instead of when a flushed receive reports it later.
     Fail(absl::Status(s.code(), absl::StrCat("connection lost: ", op,
                                              " failed: ", s.message())));
-    return absl::Status(s.code(),
-                        absl::StrCat(op, " on ", name_, ": ", s.message()));
   }
   if (!s.ok() && !consequence) {
     if (status_is_flush_) {
