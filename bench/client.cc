@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "bench/flags.h"
+#include "bench/sample_clock.h"
 #include "bench/test_kinds.h"
 #include "cm/listener.h"
 
@@ -23,6 +24,7 @@ Task<absl::Status> DriveInner(ClientConn* c, const RunSpec& spec,
   const size_t size = spec.size;
   const int depth = IsLatencyTest(spec.test) ? 1 : spec.depth;
   out->lat_ns.reserve(spec.iters);
+  SampleNsPerTick();  // calibrated before the first sample
 
   if (spec.test == Test::kRpcRate || spec.test == Test::kRpcLat) {
     co_return co_await DriveRpc(c, spec, out);

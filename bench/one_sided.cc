@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/sample_clock.h"
 #include "bench/test_kinds.h"
 #include "core/reactor.h"
 
@@ -19,14 +20,14 @@ namespace {
 Task<void> OneSided(ClientConn* c, Window* w, int slot,
                     transport::LocalBuffer lb, transport::RemoteRegion remote,
                     bool write, uint64_t check_tag, bool verify, ConnRun* out) {
-  auto t0 = Clock::now();
+  const int64_t t0 = SampleTicks();
   absl::Status s;
   if (write) {
     s = co_await c->conn->Write(lb, remote);
   } else {
     s = co_await c->conn->Read(lb, remote);
   }
-  out->lat_ns.push_back((Clock::now() - t0).count());
+  out->lat_ns.push_back(SampleNs(t0, SampleTicks()));
   if (!s.ok()) {
     out->Error(s);
   } else if (verify && !write) {

@@ -4,6 +4,7 @@
 #include <span>
 
 #include "absl/strings/str_format.h"
+#include "bench/sample_clock.h"
 #include "bench/test_kinds.h"
 #include "core/reactor.h"
 
@@ -12,9 +13,9 @@ namespace {
 
 Task<void> SendOne(ClientConn* c, Window* w, int slot,
                    transport::LocalBuffer lb, ConnRun* out) {
-  auto t0 = Clock::now();
+  const int64_t t0 = SampleTicks();
   absl::Status s = co_await c->conn->Send(lb);
-  out->lat_ns.push_back((Clock::now() - t0).count());
+  out->lat_ns.push_back(SampleNs(t0, SampleTicks()));
   if (!s.ok()) out->Error(s);
   ++out->ops;
   g_progress_ops.fetch_add(1, std::memory_order_relaxed);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "bench/sample_clock.h"
 #include "bench/test_kinds.h"
 
 namespace coverbs::bench {
@@ -18,12 +19,12 @@ Task<absl::Status> DriveSendLat(ClientConn* c, const RunSpec& spec,
   out->start = Clock::now();
   for (uint64_t i = 0; i < spec.iters; ++i) {
     if (spec.verify) FillPattern(b, i);
-    auto t0 = Clock::now();
+    const int64_t t0 = SampleTicks();
     absl::Status s = co_await c->conn->Send(lb);
     if (!s.ok()) co_return s;
     auto m = co_await c->conn->Recv();
     if (!m.ok()) co_return m.status();
-    out->lat_ns.push_back((Clock::now() - t0).count() / 2);
+    out->lat_ns.push_back(SampleNs(t0, SampleTicks()) / 2);
     ++out->ops;
     g_progress_ops.fetch_add(1, std::memory_order_relaxed);
     if (spec.verify &&
