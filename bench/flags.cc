@@ -52,6 +52,10 @@ ABSL_FLAG(int, depth, 16,
           "latency "
           "tests use 1).");
 ABSL_FLAG(int, connections, 1, "Connections (each test runs on all at once).");
+ABSL_FLAG(int, inline_size, -1,
+          "Largest send copied into the work request (QpOptions::"
+          "max_inline_data, clamped to the device's; perftest --inline_size); "
+          "-1: the library's default.");
 ABSL_FLAG(int, threads, 1,
           "Reactor threads per side; connections are spread over them.");
 ABSL_FLAG(std::string, poll, "event",

@@ -21,6 +21,7 @@ ABSL_DECLARE_FLAG(int64_t, iters);
 ABSL_DECLARE_FLAG(int64_t, warmup);
 ABSL_DECLARE_FLAG(absl::Duration, duration);
 ABSL_DECLARE_FLAG(int, depth);
+ABSL_DECLARE_FLAG(int, inline_size);
 ABSL_DECLARE_FLAG(int, connections);
 ABSL_DECLARE_FLAG(int, threads);
 ABSL_DECLARE_FLAG(std::string, poll);

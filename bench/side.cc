@@ -85,6 +85,9 @@ cm::ConnectionOptions BenchConnectionOptions() {
   int depth = std::max(absl::GetFlag(FLAGS_depth), 1);
   o.recv_credits = std::clamp<uint32_t>(depth * 2, 64, 512);
   o.send_depth = std::clamp<uint32_t>(depth * 2, 64, 512);
+  if (int in = absl::GetFlag(FLAGS_inline_size); in >= 0) {
+    o.qp.max_inline_data = static_cast<uint32_t>(in);
+  }
   return o;
 }
 
