@@ -189,7 +189,9 @@ QueuePair::QueuePair(std::unique_ptr<ProviderQp> qp, CompletionQueue* cq,
       max_inline_(std::min(options.max_inline_data, qp_->max_inline_data())),
       uses_srq_(options.srq != nullptr),
       drained_(std::make_unique<Event>()),
-      alive_(std::make_shared<QueuePair*>(this)) {}
+      alive_(std::make_shared<QueuePair*>(this)) {
+  inline_sink_.qp = this;
+}
 
 QueuePair::~QueuePair() {
   FailWaiters(absl::FailedPreconditionError(
@@ -215,6 +217,7 @@ QueuePair::~QueuePair() {
 bool QueuePair::HasPosted(const WorkRequest* wr, const ibv_wc& wc) const {
   // Receives through an SRQ are on the SRQ's list, not ours.
   if (uses_srq_ && (wc.opcode & IBV_WC_RECV)) return true;
+  if (wr == &inline_sink_) return inline_in_flight_ > 0;
   // Compared as WorkRequest*, never dereferencing `wr` (it may be stale).
   if (posted_ops_.AnyOf([wr](const Op* op) {
         return static_cast<const WorkRequest*>(op) == wr;
@@ -310,6 +313,10 @@ void QueuePair::Abandon(std::string_view reason) {
     wc.opcode = IBV_WC_RECV;
     static_cast<WorkRequest*>(h)->OnCompletion(wc);
   }
+  wc.wr_id =
+      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(&inline_sink_)) | 1;
+  wc.opcode = IBV_WC_SEND;
+  while (inline_in_flight_ > 0) inline_sink_.OnCompletion(wc);
 }
 
 Task<absl::Status> QueuePair::Close() {
@@ -522,6 +529,80 @@ void QueuePair::FailWaiters(const absl::Status& s) {
   for (auto* list : {&send_waiters_, &recv_waiters_}) {
     while (Op* op = list->pop_front()) op->Fail(s);
   }
+}
+
+absl::Status QueuePair::PostInlineSend(std::span<const LocalBuffer> bufs) {
+  if (in_error_ || qp_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "inline SEND on QP 0x%x: the QP is in the error state", qp_num_));
+  }
+  if (sq_free_ == 0 || !send_waiters_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "inline SEND on QP 0x%x: no free send-queue slot (%u) without "
+        "waiting",
+        qp_num_, sq_capacity_));
+  }
+  ibv_sge sges[internal_qp::kInlineSges];
+  uint64_t total = 0;
+  const size_t n = bufs.size();
+  if (n == 0 || n > internal_qp::kInlineSges || n > options_.max_send_sge) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inline SEND on QP 0x%x: %d buffers (1 to %d)", qp_num_, n,
+        std::min<uint32_t>(internal_qp::kInlineSges, options_.max_send_sge)));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    sges[i] = bufs[i].sge();
+    total += bufs[i].length;
+  }
+  if (total > max_inline_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inline SEND on QP 0x%x: %u bytes exceed the QP's max_inline_data "
+        "of %u",
+        qp_num_, total, max_inline_));
+  }
+  ibv_send_wr wr{};
+  wr.wr_id =
+      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(&inline_sink_)) | 1;
+  wr.sg_list = sges;
+  wr.num_sge = static_cast<int>(n);
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  absl::Status s = qp_->PostSend(&wr, &bad);
+  if (!s.ok()) return s;
+  --sq_free_;
+  ++inline_in_flight_;
+  ++outstanding_;
+  cq_->AddInFlight(1);
+  return absl::OkStatus();
+}
+
+void QueuePair::InlineSink::OnCompletion(const ibv_wc& wc) {
+  QueuePair* q = qp;
+  if (q->inline_in_flight_ == 0) {
+    COVERBS_LOG(kWarning, "transport",
+                "QP 0x%x: a completion (%s) for an inline send when none is "
+                "in flight; ignored",
+                q->qp_num_, WcStatusName(wc.status));
+    return;
+  }
+  --q->inline_in_flight_;
+  ++q->sq_free_;
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (q->inline_error_.ok() && wc.status != IBV_WC_WR_FLUSH_ERR) {
+      q->inline_error_ = WcError(wc.status, wc.vendor_err, "inline SEND",
+                                 q->qp_num_, q->caps().device_name);
+    }
+    if (!q->in_error_) {
+      // RC: a failed completion means the QP is in the error state.
+      q->in_error_ = true;
+      q->FailWaiters(absl::FailedPreconditionError(absl::StrFormat(
+          "QP 0x%x is in the error state after %s on an inline send",
+          q->qp_num_, WcStatusName(wc.status))));
+    }
+  }
+  q->OnOpDone();
+  if (!q->in_error_ && !q->send_waiters_.empty()) q->PumpWaiters();
 }
 
 absl::Status QueuePair::PostRecv(RecvHandler* h,

@@ -330,6 +330,23 @@ class QueuePair final : private WrOwner {
   }
   Op Recv(std::span<const LocalBuffer> bufs);
   Op Recv(LocalBuffer buf) { return Recv(std::span<const LocalBuffer>(&buf, 1)); }
+  // A SEND of 1..4 buffers whose bytes (at most max_inline_data() in all)
+  // the provider copies into the work request at post time, and that
+  // nobody awaits: the buffers may be reused once this returns, and the QP
+  // takes the completion itself -- the slot comes back, and a failure puts
+  // the QP in the error state (its reason in inline_send_error()), which
+  // flushes everything else posted. What a messaging layer posts per small
+  // message without an operation, a frame or a resume per message. RC
+  // delivers in order, so a later awaited Send's completion still means
+  // every earlier inline send arrived. Fails without posting:
+  // FailedPrecondition in the error state, ResourceExhausted while the send
+  // queue has no free slot or awaited operations wait for one (post an awaited
+  // Send then, which queues in order), InvalidArgument beyond the limits.
+  absl::Status PostInlineSend(std::span<const LocalBuffer> bufs);
+  // The first failure (not a flush) of a PostInlineSend's completion; OK
+  // while there was none.
+  const absl::Status& inline_send_error() const { return inline_error_; }
+  uint32_t inline_sends_in_flight() const { return inline_in_flight_; }
 
   // --- One-sided.
   Op Write(std::span<const LocalBuffer> bufs, RemoteRegion remote);
@@ -414,6 +431,13 @@ class QueuePair final : private WrOwner {
   // WrOwner: walks the posted lists (error completions only).
   bool HasPosted(const WorkRequest* wr, const ibv_wc& wc) const override;
 
+  // Takes the completions of PostInlineSend: one per QP (its wr_id), the
+  // sends counted, not named -- RC completes a send queue in order.
+  struct InlineSink final : WorkRequest {
+    QueuePair* qp = nullptr;
+    void OnCompletion(const ibv_wc& wc) override;
+  };
+
   std::unique_ptr<ProviderQp> qp_;
   CompletionQueue* cq_;
   CompletionQueue* rcq_;  // receive completions; == cq_ unless on an SRQ
@@ -433,6 +457,9 @@ class QueuePair final : private WrOwner {
   coverbs::internal::IntrusiveList<Op> posted_ops_;
   coverbs::internal::IntrusiveList<RecvHandler> posted_handlers_;
   uint32_t handler_recvs_ = 0;
+  InlineSink inline_sink_;
+  uint32_t inline_in_flight_ = 0;
+  absl::Status inline_error_;
   bool closing_ = false;
   std::unique_ptr<Event> drained_;
   // Lets a cross-thread cancellation find out whether the QP still exists.
