@@ -38,7 +38,6 @@ Connection::SendVAwaiter Connection::SendVDirect(
 Task<absl::Status> Connection::Send(transport::LocalBuffer registered) {
   return impl_->SendRegistered(registered);
 }
-Task<absl::StatusOr<Message>> Connection::Recv() { return impl_->Recv(); }
 std::optional<Message> Connection::TryRecv() { return impl_->TryRecv(); }
 Task<absl::Status> Connection::Read(transport::LocalBuffer local,
                                     transport::RemoteRegion remote) {

@@ -47,6 +47,7 @@
 #include "absl/time/time.h"
 #include "cm/handshake.h"
 #include "cm/worker.h"
+#include "core/sync.h"
 #include "core/task.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
@@ -211,12 +212,19 @@ class Connection {
   SendVAwaiter SendVDirect(std::span<const std::span<const std::byte>> parts);
   // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).
   Task<absl::Status> Send(transport::LocalBuffer registered);
-  Task<absl::StatusOr<Message>> Recv();
+  // The next message in arrival order: co_await conn.Recv(). Several
+  // coroutines may wait; they are served in the order they began to wait.
+  // Cancelling the awaiting coroutine's stop token while it waits ends it
+  // with Cancelled (no message taken). No coroutine frame of its own: a
+  // message already deliverable completes the co_await without suspending,
+  // else the awaiting coroutine waits itself (RecvAwaiter below).
+  class RecvAwaiter;
+  RecvAwaiter Recv();
   // The message Recv would return at once, taken without suspending; none
   // when Recv would wait (nothing deliverable yet, another Recv waits
   // ahead) or report the connection's end (Recv then says why). For
-  // receive loops that poll before they wait: Recv's coroutine frame was
-  // most of what receiving a small message cost (bench/RESULTS.md).
+  // receive loops that must not suspend (poll several connections, batch
+  // what is there).
   std::optional<Message> TryRecv();
 
   // --- One-sided.
@@ -364,6 +372,53 @@ class Connection::SendVAwaiter {
   std::optional<transport::BufferPool::Buffer> buf_;
   std::optional<transport::QueuePair::Op> op_;
 };
+
+// Connection::Recv's awaitable (cm/receive.cc). co_await it once: as the
+// temporary Recv returns, or as a named variable (moved only before it is
+// awaited: `auto r = conn.Recv(); co_await std::move(r);`). A message
+// deliverable at once, with no Recv waiting ahead, completes the co_await
+// without suspending (await_ready); else the awaiting coroutine parks in the
+// connection's FIFO of receivers and is resumed with the next message, with
+// Cancelled (its stop token), or with the error that ended the connection (Fail
+// wakes every receiver).
+class Connection::RecvAwaiter {
+ public:
+  // Before co_await only (nothing is taken or waiting yet).
+  RecvAwaiter(RecvAwaiter&& o) noexcept : impl_(o.impl_) {}
+  RecvAwaiter& operator=(RecvAwaiter&&) = delete;
+
+  bool await_ready() { return TakeNow(); }
+  template <typename P>
+  bool await_suspend(std::coroutine_handle<P> h) {
+    wait_.emplace(ReadyCount(), 1);
+    return wait_->await_suspend(h);  // false: resume at once
+  }
+  absl::StatusOr<Message> await_resume() {
+    if (got_) return std::move(msg_);
+    return Finish();
+  }
+
+ private:
+  friend class Connection;
+  explicit RecvAwaiter(internal::ConnectionImpl* impl) : impl_(impl) {}
+  // Takes a deliverable message (true, got_), or says that the Recv ends
+  // at once with an error (true); false: it must wait.
+  bool TakeNow();
+  Semaphore* ReadyCount() const;  // the connection's deliverable messages
+  // After a wait (or TakeNow's error): the message, or why there is none.
+  absl::StatusOr<Message> Finish();
+
+  internal::ConnectionImpl* impl_;
+  bool got_ = false;
+  Message msg_;
+  // Engaged only when the co_await waits (most Recvs on a busy connection
+  // do not).
+  std::optional<Semaphore::Awaiter> wait_;
+};
+
+inline Connection::RecvAwaiter Connection::Recv() {
+  return RecvAwaiter(impl_.get());
+}
 
 }  // namespace coverbs::cm
 

@@ -92,9 +92,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   Task<absl::Status> SendParts(std::span<const std::span<const std::byte>> p);
   Task<absl::Status> SendRegistered(LocalBuffer b);
-  Task<absl::StatusOr<Message>> Recv();
-  // Recv's first step, without a frame: a deliverable message if one is
-  // there and no Recv waits ahead of the caller (TryAcquire fails then).
+  // A deliverable message if one is there and no Recv waits ahead of the
+  // caller (TryAcquire fails then).
   std::optional<Message> TryRecv() {
     if (ready_.empty() || !ready_count_.TryAcquire(1)) return std::nullopt;
     std::optional<Message> m(std::move(ready_.front()));
@@ -139,6 +138,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  private:
   friend class ConnectionTestPeer;
   friend class cm::Connection::SendVAwaiter;  // SendSmall's path, frameless
+  friend class cm::Connection::RecvAwaiter;   // Recv, frameless
+  // Why a Recv that finds no message ends: down, closing, not started, or
+  // closed by the peer with nothing left to deliver.
+  absl::Status RecvError() const;
   // Sends one small message (header + parts copied into a pooled buffer)
   // of `total` payload bytes (the parts' and zero_copy's together).
   Task<absl::Status> SendSmall(

@@ -184,30 +184,53 @@ void ConnectionImpl::Pump() {
   }
 }
 
-Task<absl::StatusOr<Message>> ConnectionImpl::Recv() {
-  for (;;) {
-    if (!ready_.empty() && ready_count_.TryAcquire(1)) {
-      Message m = std::move(ready_.front());
-      ready_.pop_front();
-      co_return m;
-    }
-    if (!status_.ok()) co_return CheckUp("recv");
-    if (peer_closed_ && incoming_.empty() && ready_.empty()) {
-      co_return absl::UnavailableError(
-          absl::StrCat("recv on ", name_, ": closed by the peer"));
-    }
-    if (!started_) co_return CheckUp("recv");
-    absl::Status s = co_await ready_count_.Acquire(1);
-    if (!s.ok()) co_return s;
-    if (!ready_.empty()) {
-      Message m = std::move(ready_.front());
-      ready_.pop_front();
-      co_return m;
-    }
-    // A wake-up for a close or failure: loop to report it.
-    if (status_.ok() && !peer_closed_) continue;
-    if (!status_.ok()) co_return CheckUp("recv");
+absl::Status ConnectionImpl::RecvError() const {
+  if (!status_.ok() || !peer_closed_) {
+    absl::Status s = CheckUp("recv");
+    if (!s.ok()) return s;
   }
+  return absl::UnavailableError(
+      absl::StrCat("recv on ", name_, ": closed by the peer"));
 }
 
 }  // namespace coverbs::cm::internal
+
+namespace coverbs::cm {
+
+bool Connection::RecvAwaiter::TakeNow() {
+  internal::ConnectionImpl& c = *impl_;
+  if (!c.ready_.empty() && c.ready_count_.TryAcquire(1)) {
+    msg_ = std::move(c.ready_.front());
+    c.ready_.pop_front();
+    got_ = true;
+    return true;
+  }
+  // Nothing to wait for: down, not started, or closed by the peer with
+  // nothing left (Finish says which).
+  return !c.status_.ok() || !c.started_ ||
+         (c.peer_closed_ && c.incoming_.empty() && c.ready_.empty());
+}
+
+Semaphore* Connection::RecvAwaiter::ReadyCount() const {
+  return &impl_->ready_count_;
+}
+
+absl::StatusOr<Message> Connection::RecvAwaiter::Finish() {
+  internal::ConnectionImpl& c = *impl_;
+  if (wait_.has_value()) {
+    absl::Status s = wait_->await_resume();
+    if (!s.ok()) return s;  // cancelled, nothing taken
+    if (!c.ready_.empty()) {
+      Message m = std::move(c.ready_.front());
+      c.ready_.pop_front();
+      return m;
+    }
+    // A permit without a message: Fail released every receiver, or the
+    // peer closed (Pump releases one). Pass the close on, so that a Recv
+    // parked behind this one wakes to report it too.
+    if (c.status_.ok() && c.peer_closed_) c.ready_count_.Release(1);
+  }
+  return c.RecvError();
+}
+
+}  // namespace coverbs::cm

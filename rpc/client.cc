@@ -196,17 +196,13 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
   cm::Connection& conn = *st->conn;
   bool close = false;
   for (;;) {
-    // A response already there is taken without Recv's coroutine frame.
-    std::optional<cm::Message> m = conn.TryRecv();
-    if (!m.has_value()) {
-      auto r = co_await conn.Recv();
-      if (!r.ok()) {
-        st->FailAll(absl::UnavailableError(
-            absl::StrCat("rpc connection ", conn.name(),
-                         " is down: ", r.status().message())));
-        break;
-      }
-      m.emplace(*std::move(r));
+    // Recv has no coroutine frame: a response already there is taken
+    // without suspending.
+    auto m = co_await conn.Recv();
+    if (!m.ok()) {
+      st->FailAll(absl::UnavailableError(absl::StrCat(
+          "rpc connection ", conn.name(), " is down: ", m.status().message())));
+      break;
     }
     auto f = DecodeFrame(m->data(), Side::kClient, st->limits);
     if (!f.ok()) {

@@ -329,15 +329,12 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                          conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   for (;;) {
-    // A request already there is taken without Recv's coroutine frame.
-    std::optional<cm::Message> m = conn.TryRecv();
-    if (!m.has_value()) {
-      auto r = co_await conn.Recv();
-      if (!r.ok()) {
-        why = r.status();
-        break;
-      }
-      m.emplace(*std::move(r));
+    // Recv has no coroutine frame: a request already there is taken
+    // without suspending.
+    auto m = co_await conn.Recv();
+    if (!m.ok()) {
+      why = m.status();
+      break;
     }
     auto f = DecodeFrame(m->data(), Side::kServer, c->limits);
     if (!f.ok()) {

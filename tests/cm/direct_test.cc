@@ -1,10 +1,13 @@
-// Connection::SendVDirect and Connection::TryRecv: the frameless send and
-// receive steps the rpc layer uses per message. Each must keep Send's and
-// Recv's contract: order with the other sends, the slow path when no
-// credit is free, errors once the connection is down.
+// Connection::SendVDirect, Connection::Recv's awaiter and TryRecv: the
+// frameless send and receive steps used per message. Each must keep Send's
+// and Recv's contract: order with the other sends, the slow path when no
+// credit is free, receivers served in order, errors once the connection is
+// down, and no receiver left waiting when it goes down.
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <stop_token>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -123,6 +126,163 @@ TEST_P(DirectTest, DirectSendAfterCloseFails) {
     absl::Status s = co_await p->client->SendVDirect(parts);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
     EXPECT_FALSE(p->server->TryRecv().has_value());
+  }(this));
+}
+
+// A message already deliverable completes co_await Recv() without
+// suspending; with none there the receiver waits and gets the next one.
+TEST_P(DirectTest, RecvCompletesAtOnceOrWaits) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::string first = "first";
+    CO_ASSERT_OK(co_await p->client->Send(first));
+    // Wait until it is there (bounded poll, 10 s), then take it at once.
+    for (int i = 0; i < 10000 && p->server->stats().messages_received == 0;
+         ++i) {
+      (void)co_await t->reactor_->Sleep(absl::Milliseconds(1));
+    }
+    {
+      Connection::RecvAwaiter r = p->server->Recv();
+      EXPECT_TRUE(r.await_ready());  // deliverable: no suspension
+      absl::StatusOr<Message> m = r.await_resume();
+      CO_ASSERT_OK(m);
+      EXPECT_EQ(m->text(), "first");
+    }
+    // Nothing there: the receiver waits until the next Send.
+    bool done = false;
+    std::string got;
+    WaitGroup wg;
+    wg.Add();
+    auto rcv = [](Connection* c, bool* done, std::string* got,
+                  WaitGroup* wg) -> Task<void> {
+      auto m = co_await c->Recv();
+      EXPECT_TRUE(m.ok()) << m.status();
+      if (m.ok()) *got = std::string(m->text());
+      *done = true;
+      wg->Done();
+    };
+    t->reactor_->Spawn(rcv(p->server.get(), &done, &got, &wg));
+    co_await t->reactor_->Sleep(absl::Milliseconds(20));
+    EXPECT_FALSE(done);
+    std::string second = "second";
+    CO_ASSERT_OK(co_await p->client->Send(second));
+    co_await wg.Wait();
+    EXPECT_TRUE(done);
+    EXPECT_EQ(got, "second");
+    co_await Close(*p);
+  }(this));
+}
+
+// Receivers that wait at once are served in the order they began to wait,
+// one message each.
+TEST_P(DirectTest, ConcurrentReceiversKeepOrder) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    constexpr int kReceivers = 8;
+    std::vector<std::string> got(kReceivers);
+    WaitGroup wg;
+    auto rcv = [](Connection* c, std::string* out,
+                  WaitGroup* wg) -> Task<void> {
+      auto m = co_await c->Recv();
+      EXPECT_TRUE(m.ok()) << m.status();
+      if (m.ok()) *out = std::string(m->text());
+      wg->Done();
+    };
+    for (int i = 0; i < kReceivers; ++i) {
+      wg.Add();
+      t->reactor_->Spawn(rcv(p->server.get(), &got[i], &wg));
+      co_await t->reactor_->Yield();  // parked before the next one starts
+    }
+    for (int i = 0; i < kReceivers; ++i) {
+      std::string m = "message " + std::to_string(i);
+      CO_ASSERT_OK(co_await p->client->Send(m));
+    }
+    co_await wg.Wait();
+    for (int i = 0; i < kReceivers; ++i) {
+      EXPECT_EQ(got[i], "message " + std::to_string(i)) << "receiver " << i;
+    }
+    co_await Close(*p);
+  }(this));
+}
+
+// Receivers waiting when the connection goes down all resume with the
+// error: the peer closing (one close, several receivers), and the peer
+// dying.
+TEST_P(DirectTest, WaitingReceiversResumeWhenTheConnectionEnds) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    constexpr int kReceivers = 3;
+    std::vector<absl::Status> server_got(kReceivers), client_got(kReceivers);
+    WaitGroup wg;
+    auto rcv = [](Connection* c, absl::Status* out,
+                  WaitGroup* wg) -> Task<void> {
+      auto m = co_await c->Recv();
+      *out = m.status();
+      wg->Done();
+    };
+    for (int i = 0; i < kReceivers; ++i) {
+      wg.Add();
+      t->reactor_->Spawn(rcv(p->server.get(), &server_got[i], &wg));
+    }
+    co_await t->reactor_->Sleep(absl::Milliseconds(20));
+    co_await p->client->Close();  // the server's receivers see the close
+    co_await wg.Wait();
+    for (const absl::Status& s : server_got) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    }
+    // A later Recv reports the close at once.
+    auto again = co_await p->server->Recv();
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable)
+        << again.status();
+    co_await p->server->Close();
+
+    // The peer dies while receivers wait.
+    auto q = co_await t->MakePair();
+    CO_ASSERT_OK(q);
+    for (int i = 0; i < kReceivers; ++i) {
+      wg.Add();
+      t->reactor_->Spawn(rcv(q->client.get(), &client_got[i], &wg));
+    }
+    co_await t->reactor_->Sleep(absl::Milliseconds(20));
+    q->server.reset();
+    co_await wg.Wait();
+    for (const absl::Status& s : client_got) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    }
+    co_await q->client->Close();
+  }(this));
+}
+
+// A waiting receiver whose stop token fires ends with Cancelled and takes
+// nothing: the next message goes to the next Recv.
+TEST_P(DirectTest, CancelledRecvTakesNothing) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::stop_source stop;
+    absl::Status cancelled;
+    WaitGroup wg;
+    wg.Add();
+    auto rcv = [](Connection* c, absl::Status* out,
+                  WaitGroup* wg) -> Task<void> {
+      auto m = co_await c->Recv();
+      *out = m.status();
+      wg->Done();
+    };
+    t->reactor_->Spawn(rcv(p->server.get(), &cancelled, &wg), stop.get_token());
+    co_await t->reactor_->Sleep(absl::Milliseconds(20));
+    stop.request_stop();
+    co_await wg.Wait();
+    EXPECT_EQ(cancelled.code(), absl::StatusCode::kCancelled) << cancelled;
+    std::string text = "after the cancel";
+    CO_ASSERT_OK(co_await p->client->Send(text));
+    auto m = co_await p->server->Recv();
+    CO_ASSERT_OK(m);
+    EXPECT_EQ(m->text(), "after the cancel");
+    co_await Close(*p);
   }(this));
 }
 
