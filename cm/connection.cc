@@ -23,21 +23,6 @@ Connection::~Connection() {
   impl_->Abort(absl::UnavailableError("connection destroyed"));
 }
 
-Task<absl::Status> Connection::Send(std::span<const std::byte> payload) {
-  std::span<const std::byte> parts[1] = {payload};
-  co_return co_await impl_->SendParts(parts);
-}
-Task<absl::Status> Connection::SendV(
-    std::span<const std::span<const std::byte>> parts) {
-  return impl_->SendParts(parts);
-}
-Connection::SendVAwaiter Connection::SendVDirect(
-    std::span<const std::span<const std::byte>> parts) {
-  return SendVAwaiter(impl_.get(), parts);
-}
-Task<absl::Status> Connection::Send(transport::LocalBuffer registered) {
-  return impl_->SendRegistered(registered);
-}
 std::optional<Message> Connection::TryRecv() { return impl_->TryRecv(); }
 Task<absl::Status> Connection::Read(transport::LocalBuffer local,
                                     transport::RemoteRegion remote) {

@@ -184,9 +184,10 @@ class Connection {
   Connection(const Connection&) = delete;
 
   // --- Messaging.
+  // co_await conn.Send(bytes): OK once the peer placed the message.
   // Copies into a pooled registered buffer (small) or sends from the
   // caller's memory (large; registered through the Worker's cache). The
-  // bytes must stay valid until the returned Task completes.
+  // bytes must stay valid until the co_await completes.
   // Cancelling (the awaiting coroutine's stop token) a Send still waiting
   // for its turn, a credit or a buffer ends it with Cancelled, nothing
   // sent. Once an eager message is posted it goes anyway -- a NIC cannot
@@ -194,24 +195,24 @@ class Connection {
   // the connection for every caller -- so the Send waits for its
   // completion and reports it. A cancelled rendezvous tells the receiver
   // to drop it (cm/README.md).
-  Task<absl::Status> Send(std::span<const std::byte> payload);
+  // Each Send returns a SendAwaiter (below), not a Task: a small message
+  // whose send turn, credit and buffer are free at once is posted from the
+  // awaiting coroutine's frame, without a coroutine frame of its own (its
+  // set-up and teardown were about half of what sending a small message
+  // cost, bench/RESULTS.md). Nothing happens until it is co_awaited.
+  class SendAwaiter;
+  SendAwaiter Send(std::span<const std::byte> payload);
   // The same for text. (Pass a named string, not a temporary, inside a
   // co_await expression: gcc 12 destroys such temporaries twice.)
-  Task<absl::Status> Send(std::string_view text) {
-    return Send(std::as_bytes(std::span(text.data(), text.size())));
-  }
-  // Gather: the message is the concatenation of `parts`.
-  Task<absl::Status> SendV(std::span<const std::span<const std::byte>> parts);
-  // SendV awaited directly (co_await conn.SendVDirect(parts)), for senders
-  // on a message path (rpc): a small message whose send turn, credit and
-  // buffer are free at once is posted from the awaiting coroutine's frame,
-  // without SendV's coroutine frame of its own (its set-up and teardown
-  // were about half of what sending a small message cost, bench/RESULTS.md);
-  // otherwise it awaits SendV. Same contract as SendV.
-  class SendVAwaiter;
-  SendVAwaiter SendVDirect(std::span<const std::span<const std::byte>> parts);
+  SendAwaiter Send(std::string_view text);
+  // Gather: the message is the concatenation of `parts` (which, like the
+  // bytes, must stay valid until the co_await completes).
+  SendAwaiter SendV(std::span<const std::span<const std::byte>> parts);
+  // SendV under its earlier name (when SendV still had a frame).
+  SendAwaiter SendVDirect(std::span<const std::span<const std::byte>> parts);
   // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).
-  Task<absl::Status> Send(transport::LocalBuffer registered);
+  // A small payload that fits the QP's inline data is copied at post time.
+  SendAwaiter Send(transport::LocalBuffer registered);
   // The next message in arrival order: co_await conn.Recv(). Several
   // coroutines may wait; they are served in the order they began to wait.
   // Cancelling the awaiting coroutine's stop token while it waits ends it
@@ -308,22 +309,30 @@ class Connection {
   std::shared_ptr<internal::ConnectionImpl> impl_;
 };
 
-// Connection::SendVDirect's awaitable (cm/send.cc). It holds the message's
-// buffer and work request while the send is posted: neither copied nor
-// moved, and co_awaited as the temporary SendVDirect returns.
-class Connection::SendVAwaiter {
+// Connection::Send's awaitable (cm/send.cc). co_await it once: as the
+// temporary Send returns, or as a named variable (moved only before it is
+// used: `auto s = conn.Send(b); co_await std::move(s);`). While a message
+// posted from it is in flight it holds the message's buffer and work
+// request.
+class Connection::SendAwaiter {
  public:
-  SendVAwaiter(internal::ConnectionImpl* impl,
-               std::span<const std::span<const std::byte>> parts)
-      : impl_(impl), parts_(parts) {}
-  SendVAwaiter(const SendVAwaiter&) = delete;
+  // Before co_await or PostNow only (nothing is posted yet).
+  SendAwaiter(SendAwaiter&& o) noexcept
+      : impl_(o.impl_),
+        one_{o.one_[0]},
+        parts_(o.parts_.data() == o.one_
+                   ? std::span<const std::span<const std::byte>>(one_)
+                   : o.parts_),
+        registered_(o.registered_),
+        reg_(o.reg_) {}
+  SendAwaiter& operator=(SendAwaiter&&) = delete;
 
   // Optional, before co_await: posts the message now when it goes eagerly
   // at once, and co_await then only waits for its completion (not at all
   // when it came meanwhile) -- for a caller with something else to await
   // first (an rpc call's response, which usually comes with the send's
   // completion: one resume instead of two). False: nothing is posted (the
-  // message takes SendV's path, or failed; co_await does it all or says
+  // message takes the slow path, or failed; co_await does it all or says
   // why). Once it returned true, co_await this awaiter before it is
   // destroyed, or its destruction waits for the completion.
   bool PostNow() {
@@ -349,21 +358,36 @@ class Connection::SendVAwaiter {
       default:
         break;
     }
-    // SendV's Task, awaited as any Task (it inherits h's stop token).
+    // The slow path's Task, awaited as any Task (it inherits h's stop
+    // token).
     return
         typename Task<absl::Status>::Awaiter{slow_.handle()}.await_suspend(h);
   }
   absl::Status await_resume();
 
  private:
+  friend class Connection;
+  SendAwaiter(internal::ConnectionImpl* impl,
+              std::span<const std::span<const std::byte>> parts)
+      : impl_(impl), parts_(parts) {}
+  SendAwaiter(internal::ConnectionImpl* impl, std::span<const std::byte> one)
+      : impl_(impl), one_{one}, parts_(one_) {}
+  SendAwaiter(internal::ConnectionImpl* impl, transport::LocalBuffer reg)
+      : impl_(impl), registered_(true), reg_(reg) {}
+
   enum class Step { kNone, kPosted, kDone, kSlow };
   // Posts the message with `h` (may be null: PostNow) as the waiter when it
   // goes eagerly at once (kPosted, or kDone when the post failed at once);
-  // else makes slow_ (kSlow).
+  // else starts the slow path's Task in slow_ (kSlow): SendParts or
+  // SendRegistered, which wait for the turn, a credit or a buffer, or take
+  // the rendezvous.
   Step Start(std::coroutine_handle<> h);
 
   internal::ConnectionImpl* impl_;
+  std::span<const std::byte> one_[1];  // Send(span)'s one part
   std::span<const std::span<const std::byte>> parts_;
+  bool registered_ = false;  // Send(LocalBuffer): reg_ is the payload
+  transport::LocalBuffer reg_;
   uint32_t total_ = 0;
   Step step_ = Step::kNone;
   Task<absl::Status> slow_;
@@ -372,6 +396,27 @@ class Connection::SendVAwaiter {
   std::optional<transport::BufferPool::Buffer> buf_;
   std::optional<transport::QueuePair::Op> op_;
 };
+
+inline Connection::SendAwaiter Connection::Send(
+    std::span<const std::byte> payload) {
+  return SendAwaiter(impl_.get(), payload);
+}
+inline Connection::SendAwaiter Connection::Send(std::string_view text) {
+  return SendAwaiter(impl_.get(),
+                     std::as_bytes(std::span(text.data(), text.size())));
+}
+inline Connection::SendAwaiter Connection::SendV(
+    std::span<const std::span<const std::byte>> parts) {
+  return SendAwaiter(impl_.get(), parts);
+}
+inline Connection::SendAwaiter Connection::SendVDirect(
+    std::span<const std::span<const std::byte>> parts) {
+  return SendAwaiter(impl_.get(), parts);
+}
+inline Connection::SendAwaiter Connection::Send(
+    transport::LocalBuffer registered) {
+  return SendAwaiter(impl_.get(), registered);
+}
 
 // Connection::Recv's awaitable (cm/receive.cc). co_await it once: as the
 // temporary Recv returns, or as a named variable (moved only before it is

@@ -137,7 +137,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
  private:
   friend class ConnectionTestPeer;
-  friend class cm::Connection::SendVAwaiter;  // SendSmall's path, frameless
+  friend class cm::Connection::SendAwaiter;   // SendSmall's path, frameless
   friend class cm::Connection::RecvAwaiter;   // Recv, frameless
   // Why a Recv that finds no message ends: down, closing, not started, or
   // closed by the peer with nothing left to deliver.

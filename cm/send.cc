@@ -220,37 +220,59 @@ namespace {
 struct MakeSendOp {
   transport::QueuePair* qp;
   const transport::LocalBuffer* sge;
+  size_t n;
   transport::SendOptions so;
-  operator transport::QueuePair::Op() const { return qp->Send(*sge, so); }
+  operator transport::QueuePair::Op() const {
+    if (n == 1) return qp->Send(*sge, so);
+    return qp->Send(std::span<const transport::LocalBuffer>(sge, n), so);
+  }
 };
 }  // namespace
 
-Connection::SendVAwaiter::Step Connection::SendVAwaiter::Start(
+Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
     std::coroutine_handle<> h) {
   internal::ConnectionImpl& c = *impl_;
   size_t total = 0;
-  for (auto p : parts_) total += p.size();
+  if (registered_) {
+    total = reg_.length;
+  } else {
+    for (auto p : parts_) total += p.size();
+  }
   // SendSmall's fast path (TryAcquireSend checks what CheckUp would).
   if (total > c.eager_max_ || total > c.peer_max_ || !c.TryAcquireSend(buf_)) {
-    slow_ = c.SendParts(parts_);
+    slow_ = registered_ ? c.SendRegistered(reg_) : c.SendParts(parts_);
     return Step::kSlow;
   }
   total_ = static_cast<uint32_t>(total);
   std::byte* d = buf_->data();
-  const size_t len = c.WriteFrame(d, internal::kData, total_, 0, parts_);
-  const transport::LocalBuffer sge{d, static_cast<uint32_t>(len), c.send_lkey_};
+  // Registered: parts_ is empty, the header announces reg_'s bytes.
+  size_t len = c.WriteFrame(d, internal::kData, total_, 0, parts_);
+  transport::LocalBuffer sg[2] = {{}, {}};
+  size_t n = 1;
+  const size_t max_inline = c.qp_->max_inline_data();
+  if (registered_) {
+    // As in SendSmall: a payload that fits inline goes inline (one SGE
+    // copied at post time beats a second SGE the NIC must fetch).
+    if (len + reg_.length <= max_inline) {
+      if (reg_.length > 0) std::memcpy(d + len, reg_.addr, reg_.length);
+      len += reg_.length;
+    } else {
+      sg[n++] = reg_;
+    }
+  }
+  sg[0] = transport::LocalBuffer{d, static_cast<uint32_t>(len), c.send_lkey_};
   transport::SendOptions so;
-  so.inline_data = len <= c.qp_->max_inline_data();
+  so.inline_data = n == 1 && len <= max_inline;
   // As in SendSmall: once posted, the message goes (a cancelled caller
   // waits for the completion instead of failing the QP).
   so.ignore_stop = true;
   c.send_turn_.Release(1);  // posted in order: nothing runs before the post
-  op_.emplace(MakeSendOp{c.qp_.get(), &sge, so});
+  op_.emplace(MakeSendOp{c.qp_.get(), sg, n, so});
   if (!h) return op_->Post() ? Step::kPosted : Step::kDone;  // PostNow
   return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
 }
 
-absl::Status Connection::SendVAwaiter::await_resume() {
+absl::Status Connection::SendAwaiter::await_resume() {
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
   if (!s.ok()) return impl_->OpError("send", s);

@@ -366,7 +366,7 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
   // it (it usually came with the response): this coroutine resumes once
   // per call, not twice. A send that fails fails the connection, which
   // completes `p` (FailAll); a stopped call still waits for its posted send.
-  cm::Connection::SendVAwaiter send = st->conn->SendVDirect(parts);
+  cm::Connection::SendAwaiter send = st->conn->SendV(parts);
   const bool posted = send.PostNow();
   if (posted) co_await p;
   absl::Status sent = co_await send;

@@ -490,7 +490,7 @@ Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
       // Failure means the connection is going down; its receive loop
       // reports that. Direct: a small response goes without a send
       // coroutine of its own.
-      absl::Status sent = co_await c->conn->SendVDirect(parts);
+      absl::Status sent = co_await c->conn->SendV(parts);
       if (sent.ok()) stats_.response_bytes.fetch_add(data.size());
     }
   } else {

@@ -4,6 +4,7 @@
 // credit is free, receivers served in order, errors once the connection is
 // down, and no receiver left waiting when it goes down.
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <stop_token>
@@ -126,6 +127,92 @@ TEST_P(DirectTest, DirectSendAfterCloseFails) {
     absl::Status s = co_await p->client->SendVDirect(parts);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
     EXPECT_FALSE(p->server->TryRecv().has_value());
+  }(this));
+}
+
+// Send(LocalBuffer) from registered memory, small (inline or as a second
+// SGE) and large, interleaved with Send(span) and run short of credits
+// (the slow path): every message arrives once, in Send order, intact.
+TEST_P(DirectTest, RegisteredSendsKeepOrder) {
+  Run([](CmTest* t) -> Task<void> {
+    ConnectOptions co;
+    co.connection.recv_credits = 4;
+    ListenerOptions lo;
+    lo.connection.recv_credits = 4;
+    auto p = co_await t->MakePair(co, lo);
+    CO_ASSERT_OK(p);
+    constexpr int kMsgs = 48;
+    std::vector<std::vector<std::byte>> msgs;
+    for (int i = 0; i < kMsgs; ++i) {
+      size_t n = i % 11 == 0 ? 20000 + i : i % 3 == 0 ? 1000 + i : i;
+      msgs.push_back(Pattern(n, static_cast<uint8_t>(i)));
+    }
+    // One registration over all the payloads' copies.
+    size_t total = 0;
+    for (const auto& m : msgs) total += m.size();
+    std::vector<std::byte> mem(total);
+    auto mr = p->client->worker().pd().Register(mem.data(), mem.size(),
+                                                IBV_ACCESS_LOCAL_WRITE);
+    CO_ASSERT_OK(mr);
+    std::vector<transport::LocalBuffer> regs;
+    size_t off = 0;
+    for (const auto& m : msgs) {
+      std::memcpy(mem.data() + off, m.data(), m.size());
+      transport::LocalBuffer lb = mr->Local();
+      lb.addr = mem.data() + off;
+      lb.length = static_cast<uint32_t>(m.size());
+      regs.push_back(lb);
+      off += m.size();
+    }
+    WaitGroup wg;
+    for (int i = 0; i < kMsgs; ++i) {
+      wg.Add();
+      auto one = [](Connection* c, transport::LocalBuffer lb,
+                    std::span<const std::byte> d, int i,
+                    WaitGroup* wg) -> Task<void> {
+        absl::Status s;
+        if (i % 2 == 0) {
+          s = co_await c->Send(lb);
+        } else {
+          s = co_await c->Send(d);
+        }
+        EXPECT_TRUE(s.ok()) << s;
+        wg->Done();
+      };
+      t->reactor_->Spawn(one(p->client.get(), regs[i], msgs[i], i, &wg));
+    }
+    for (int i = 0; i < kMsgs; ++i) {
+      auto m = co_await p->server->Recv();
+      CO_ASSERT_OK(m);
+      EXPECT_TRUE(Same(m->data(), msgs[i])) << "message " << i;
+    }
+    co_await wg.Wait();
+    EXPECT_GT(p->client->stats().credit_waits, 0u);
+    EXPECT_EQ(p->client->stats().messages_sent, static_cast<uint64_t>(kMsgs));
+    co_await Close(*p);
+  }(this));
+}
+
+// A Send awaiter stored first and awaited later (moved before use) sends,
+// and a registered Send after close fails with Unavailable.
+TEST_P(DirectTest, StoredSendAndSendAfterClose) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::string text = "stored";
+    auto send = p->client->Send(text);
+    Connection::SendAwaiter moved = std::move(send);
+    CO_ASSERT_OK(co_await std::move(moved));
+    auto m = co_await p->server->Recv();
+    CO_ASSERT_OK(m);
+    EXPECT_EQ(m->text(), "stored");
+    std::vector<std::byte> mem(64);
+    auto mr = p->client->worker().pd().Register(mem.data(), mem.size(),
+                                                IBV_ACCESS_LOCAL_WRITE);
+    CO_ASSERT_OK(mr);
+    co_await Close(*p);
+    absl::Status s = co_await p->client->Send(mr->Local());
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   }(this));
 }
 
