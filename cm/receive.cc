@@ -200,8 +200,7 @@ namespace coverbs::cm {
 bool Connection::RecvAwaiter::TakeNow() {
   internal::ConnectionImpl& c = *impl_;
   if (!c.ready_.empty() && c.ready_count_.TryAcquire(1)) {
-    msg_ = std::move(c.ready_.front());
-    c.ready_.pop_front();
+    msg_ = c.ready_.pop_front();
     got_ = true;
     return true;
   }
@@ -221,9 +220,7 @@ absl::StatusOr<Message> Connection::RecvAwaiter::Finish() {
     absl::Status s = wait_->await_resume();
     if (!s.ok()) return s;  // cancelled, nothing taken
     if (!c.ready_.empty()) {
-      Message m = std::move(c.ready_.front());
-      c.ready_.pop_front();
-      return m;
+      return c.ready_.pop_front();
     }
     // A permit without a message: Fail released every receiver, or the
     // peer closed (Pump releases one). Pass the close on, so that a Recv
