@@ -1,6 +1,7 @@
 #include "rpc/server.h"
 
 #include <array>
+#include <coroutine>
 #include <future>
 #include <optional>
 #include <utility>
@@ -85,6 +86,32 @@ class CallTable {
 
 // One connection's serving state. Shared by its receive loop and its call
 // coroutines; lives on the connection's reactor.
+// One call: the handler, then the response. Not a Task handed to
+// Reactor::Spawn (its record and the trip through the ready queue cost
+// ~150 instructions per call): ServeLoop runs it at once on a trampoline of
+// its own (ResumeOnTrampoline) until it first waits -- usually for its
+// response's send completion -- and then goes on receiving; the frame frees
+// itself at its end (final_suspend does not suspend). The connection state
+// lists the live ones (Conn::live_calls): a frame still suspended when the
+// reactor destroys the receive loop (shutdown) is destroyed with the
+// connection state, as the reactor destroys spawned tasks.
+struct Server::CallCoro {
+  struct promise_type : coverbs::internal::PromiseBase,
+                        coverbs::internal::ListNode<promise_type> {
+    CallCoro get_return_object() noexcept {
+      return CallCoro{std::coroutine_handle<promise_type>::from_promise(*this)};
+    }
+    // Hides PromiseBase's: nobody awaits a call, so it ends by itself.
+    std::suspend_never final_suspend() noexcept { return {}; }
+    void return_void() noexcept {}
+    ~promise_type() {
+      if (live != nullptr && linked()) live->erase(this);
+    }
+    coverbs::internal::IntrusiveList<promise_type>* live = nullptr;
+  };
+  std::coroutine_handle<promise_type> h;
+};
+
 struct Server::Conn {
   Server* server = nullptr;
   cm::Worker* ctx = nullptr;
@@ -114,9 +141,20 @@ struct Server::Conn {
   DecodeLimits limits;
   uint64_t response_limit = 0;  // largest response payload we may send
 
+  // Calls started and not ended (their frames; ~Conn destroys what is
+  // left, before anything they point to goes).
+  coverbs::internal::IntrusiveList<CallCoro::promise_type> live_calls;
+
   Conn(size_t max_running, size_t max_outstanding)
       : running(max_running), admission(max_outstanding) {}
-  ~Conn() { server->ConnGone(); }
+  ~Conn() {
+    // Only when the reactor destroyed the receive loop while calls were
+    // suspended (it waits for them otherwise).
+    while (CallCoro::promise_type* p = live_calls.pop_front()) {
+      std::coroutine_handle<CallCoro::promise_type>::from_promise(*p).destroy();
+    }
+    server->ConnGone();
+  }
 
   const std::string& name() const {
     static const std::string kNone = "(not connected)";
@@ -429,9 +467,14 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                 take_payload()};
     c->active.Add();
     // A plain pointer to the connection state: this loop holds it and
-    // waits for every call (c->active) before it lets go.
-    c->ctx->reactor().Spawn(RunCall(c.get(), h.call_id, method, std::move(req)),
-                            std::move(token));
+    // waits for every call (c->active) before it lets go. The call runs
+    // now, until it first waits (CallCoro).
+    CallCoro call_coro = RunCall(c.get(), h.call_id, method, std::move(req));
+    CallCoro::promise_type& pr = call_coro.h.promise();
+    pr.set_stop_token(std::move(token));
+    pr.live = &c->live_calls;
+    c->live_calls.push_back(&pr);
+    coverbs::internal::ResumeOnTrampoline(call_coro.h);
   }
   // The connection is done: stop every call, wait for them, close.
   c->calls.StopAll();
@@ -447,8 +490,8 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   (void)why;
 }
 
-Task<void> Server::RunCall(Conn* c, uint64_t call_id, const Method* method,
-                           Request req) {
+Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
+                                 const Method* method, Request req) {
   const uint32_t method_id = req.method_id;
   if (!c->running.TryAcquire()) {  // no awaiter when a slot is free
     absl::Status slot = co_await c->running.Acquire();

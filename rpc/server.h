@@ -154,8 +154,11 @@ class Server {
   Task<void> AcceptAndServe(std::shared_ptr<Conn> c,
                             std::unique_ptr<cm::ConnectRequest> req);
   Task<void> ServeLoop(std::shared_ptr<Conn> c);
-  Task<void> RunCall(Conn* c, uint64_t call_id, const Method* method,
-                     Request req);
+  // One call's coroutine (rpc/server.cc): ServeLoop runs it at once, and
+  // it frees its own frame when it ends.
+  struct CallCoro;
+  CallCoro RunCall(Conn* c, uint64_t call_id, const Method* method,
+                   Request req);
   Task<void> SendError(Conn* c, uint64_t call_id, uint32_t method_id,
                        absl::Status status);
   std::shared_ptr<Conn> NewConn(cm::Worker* worker);

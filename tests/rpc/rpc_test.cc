@@ -403,6 +403,41 @@ TEST_P(RpcTest, DeadlineExpiryCancelsTheSlowHandler) {
   }(this));
 }
 
+// The server runs each call at once inside its receive loop until the
+// handler first waits: a handler that waits must not hold up the
+// connection's next requests.
+TEST_P(RpcTest, AWaitingHandlerDoesNotHoldUpTheConnection) {
+  StartServer();
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    std::stop_source cancel;
+    absl::StatusOr<Response> slow = absl::UnknownError("pending");
+    Event done;
+    CallOptions o;
+    o.cancel = cancel.get_token();
+    Reactor::Current()->Spawn([](Client* c, CallOptions o,
+                                 absl::StatusOr<Response>* out,
+                                 Event* done) -> Task<void> {
+      *out = co_await c->Call("Slow", {}, o);
+      done->Set();
+    }(*c, o, &slow, &done));
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
+    // Calls behind the waiting one are served meanwhile.
+    for (int i = 0; i < 20; ++i) {
+      auto e = co_await (*c)->Call("Echo", Pattern(64, i));
+      CO_ASSERT_OK(e);
+      EXPECT_TRUE(Same(e->data(), Pattern(64, i))) << i;
+    }
+    EXPECT_FALSE(done.is_set());
+    cancel.request_stop();
+    CO_ASSERT_OK(co_await done.Wait());
+    EXPECT_EQ(slow.status().code(), absl::StatusCode::kCancelled)
+        << slow.status();
+  }(this));
+}
+
 TEST_P(RpcTest, CancellationStopsTheCall) {
   StartServer();
   Run([](RpcTest* t) -> Task<void> {
