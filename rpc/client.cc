@@ -1,7 +1,9 @@
 #include "rpc/client.h"
 
 #include <array>
+#include <memory>
 #include <optional>
+#include <stop_token>
 #include <utility>
 #include <vector>
 
@@ -90,7 +92,16 @@ class PendingTable {
   size_t size_ = 0;
 };
 
+// Calls waiting under one stop token share one stop callback (see
+// ClientState::watch): its firing, on any thread, cancels them on the
+// reactor.
+struct WatchFired {
+  ClientState* st;
+  void operator()() const noexcept;
+};
+
 struct ClientState {
+  std::weak_ptr<ClientState> self;  // for work posted from other threads
   std::unique_ptr<cm::Connection> conn;
   ClientOptions options;
   Reactor* reactor = nullptr;
@@ -108,8 +119,21 @@ struct ClientState {
   uint64_t request_limit = 0;
   bool closing = false;
   Client::Stats stats;
+  // Calls usually run under one token (their caller's, the same for all of
+  // them): those waiting under `watch_token` are listed here and share one
+  // stop callback instead of registering one each (a registration and its
+  // removal, under the token's lock, were ~100 Ir per call). The watch
+  // moves to another token when nobody waits under the current one; calls
+  // under other tokens meanwhile register their own. Reactor thread only,
+  // but for the callback (WatchFired).
+  std::stop_token watch_token;
+  std::optional<std::stop_callback<WatchFired>> watch_cb;
+  coverbs::internal::IntrusiveList<Pending> watched;
 
   void FailAll(const absl::Status& why);
+  // Reactor thread: the watched token was stopped; cancels the calls
+  // waiting under it.
+  void CancelWatched();
 };
 }  // namespace internal
 using internal::ClientState;
@@ -122,7 +146,8 @@ namespace {
 // Task around the send and the wait: the reader completes it on the same
 // thread, and a stop request (which may come from any thread) is handed to
 // the reactor by CancellableOp before the wait ends.
-struct Pending final : coverbs::internal::CancellableOp {
+struct Pending final : coverbs::internal::CancellableOp,
+                       coverbs::internal::ListNode<Pending> {
   ClientState* st;
   uint64_t id;
   bool registered = true;  // in st->pending
@@ -134,6 +159,7 @@ struct Pending final : coverbs::internal::CancellableOp {
       : CancellableOp(s->reactor), st(s), id(i) {}
   ~Pending() {
     cb.reset();
+    Unwatch();
     // Frame destroyed while registered (reactor shutdown), or the call
     // gave up: unregister.
     Unregister();
@@ -162,16 +188,35 @@ struct Pending final : coverbs::internal::CancellableOp {
   // Inline: once per call (gcc made it a call of its own).
   template <typename P>
   [[gnu::always_inline]] bool await_suspend(std::coroutine_handle<P> h) {
-    std::stop_token token = coverbs::internal::StopTokenOf(h);
+    static_assert(coverbs::internal::HasStopToken<P>);
+    // By reference: a copy is two atomic count updates.
+    const std::stop_token& token = h.promise().stop_token();
     if (token.stop_requested()) return false;
     waiter_ = h;
     waiting = true;
     if (token.stop_possible()) {
-      cb.emplace(std::move(token), coverbs::internal::CancelCallback{this});
+      if (token == st->watch_token) {
+        st->watched.push_back(this);
+      } else if (st->watched.empty()) {
+        // Listed first: a callback that runs at once (the token stopped
+        // meanwhile) finds this call.
+        st->watched.push_back(this);
+        st->watch_cb.reset();
+        st->watch_token = token;
+        st->watch_cb.emplace(token, internal::WatchFired{st});
+      } else {
+        cb.emplace(token, coverbs::internal::CancelCallback{this});
+      }
     }
     return true;
   }
-  void await_resume() { cb.reset(); }
+  void await_resume() {
+    cb.reset();
+    Unwatch();
+  }
+  void Unwatch() {
+    if (linked()) st->watched.erase(this);
+  }
 
  private:
   // Reactor thread: stop requested before a response came. A response that
@@ -241,6 +286,26 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
 
 }  // namespace
 
+void internal::WatchFired::operator()() const noexcept {
+  Reactor* r = st->reactor;
+  if (r->InLoopThread()) {
+    st->CancelWatched();
+    return;
+  }
+  // The state may be gone by the time the reactor runs this.
+  r->Post([w = st->self]() {
+    if (auto s = w.lock()) s->CancelWatched();
+  });
+}
+
+void ClientState::CancelWatched() {
+  // Calls that waited under the token when it stopped (later ones see the
+  // stop before they wait). A cancel request goes through CancellableOp as
+  // a call's own callback's would; a call that its response completed
+  // meanwhile is left alone there.
+  while (Pending* p = watched.pop_front()) p->RequestCancel();
+}
+
 void ClientState::FailAll(const absl::Status& why) {
   if (status.ok()) status = why;
   for (Pending* p : pending.TakeAll()) p->Complete(status);
@@ -249,6 +314,7 @@ void ClientState::FailAll(const absl::Status& why) {
 std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
                                        const ClientOptions& options) {
   auto st = std::make_shared<State>();
+  st->self = st;
   st->reactor = &conn->worker().reactor();
   st->options = options;
   cm::Handshake local = conn->local_handshake();

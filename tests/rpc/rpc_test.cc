@@ -14,14 +14,15 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cm/connection.h"
-#include "cm/worker.h"
 #include "cm/listener.h"
+#include "cm/worker.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "core/sync.h"
@@ -435,6 +436,50 @@ TEST_P(RpcTest, AWaitingHandlerDoesNotHoldUpTheConnection) {
     CO_ASSERT_OK(co_await done.Wait());
     EXPECT_EQ(slow.status().code(), absl::StatusCode::kCancelled)
         << slow.status();
+  }(this));
+}
+
+// Calls waiting under one ambient token share the client's stop watch:
+// stopping that token (from another thread) cancels every one of them and
+// none of the calls under a second token, which then stop on their own.
+TEST_P(RpcTest, StoppingASharedTokenCancelsEveryCallUnderIt) {
+  StartServer();
+  Run([](RpcTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    constexpr int kEach = 4;
+    std::stop_source first, second;
+    std::vector<absl::Status> got(2 * kEach, absl::UnknownError("pending"));
+    WaitGroup wg;
+    for (int i = 0; i < 2 * kEach; ++i) {
+      wg.Add();
+      Reactor::Current()->Spawn(
+          [](Client* c, absl::Status* out, WaitGroup* wg) -> Task<void> {
+            auto r = co_await c->Call("Slow", {});
+            *out = r.status();
+            wg->Done();
+          }(*c, &got[i], &wg),
+          i < kEach ? first.get_token() : second.get_token());
+    }
+    Observed* obs = &t->obs_;
+    EXPECT_TRUE(
+        co_await Eventually([obs] { return obs->slow_started == 2 * kEach; }));
+    std::thread([&first] { first.request_stop(); }).join();
+    EXPECT_TRUE(co_await Eventually([&got] {
+      for (int i = 0; i < kEach; ++i) {
+        if (got[i].code() != absl::StatusCode::kCancelled) return false;
+      }
+      return true;
+    }));
+    for (int i = kEach; i < 2 * kEach; ++i) {
+      EXPECT_EQ(got[i].code(), absl::StatusCode::kUnknown) << got[i];
+    }
+    second.request_stop();
+    co_await wg.Wait();
+    for (const absl::Status& s : got) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    }
+    EXPECT_EQ((*c)->in_flight(), 0u);
   }(this));
 }
 
