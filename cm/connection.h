@@ -422,10 +422,10 @@ inline Connection::SendAwaiter Connection::Send(
 // temporary Recv returns, or as a named variable (moved only before it is
 // awaited: `auto r = conn.Recv(); co_await std::move(r);`). A message
 // deliverable at once, with no Recv waiting ahead, completes the co_await
-// without suspending (await_ready); else the awaiting coroutine parks in the
-// connection's FIFO of receivers and is resumed with the next message, with
-// Cancelled (its stop token), or with the error that ended the connection (Fail
-// wakes every receiver).
+// without suspending (await_ready); else the awaiting coroutine parks in
+// the connection's FIFO of receivers and is resumed with the next message,
+// with Cancelled (its stop token), or with the error that ended the
+// connection (Fail wakes every receiver).
 class Connection::RecvAwaiter {
  public:
   // Before co_await only (nothing is taken or waiting yet).
