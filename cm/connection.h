@@ -20,7 +20,15 @@
 //    where both sides support it, else a small SEND). The receiver's rkey is
 //    valid only for that transfer. Messages above max_message_size (ours or
 //    the peer's) fail with InvalidArgument before anything is sent.
-//  - Send completes when the peer placed the message (the buffer is free).
+//  - Send completes when the caller's bytes are free and the message is on
+//    its way: a small message whose frame fits the device's inline limit
+//    (ConnectionOptions::qp.max_inline_data, 128 by default: 112 bytes of
+//    payload) is copied into the work request and completes at its post,
+//    while fewer than 16 such are unacknowledged; any other once the peer
+//    placed it. A message that fails after its post takes the connection
+//    down with the reason (status(), and every later call). Close()
+//    delivers every message sent before it; destroying a Connection
+//    without Close may drop ones not yet acknowledged.
 //  - When the connection goes down (Close, peer disconnect, peer death, QP
 //    error) every waiting Send/Recv/one-sided operation resumes with an
 //    error (Unavailable; the message says whether the peer closed or the
@@ -184,10 +192,13 @@ class Connection {
   Connection(const Connection&) = delete;
 
   // --- Messaging.
-  // co_await conn.Send(bytes): OK once the peer placed the message.
-  // Copies into a pooled registered buffer (small) or sends from the
-  // caller's memory (large; registered through the Worker's cache). The
-  // bytes must stay valid until the co_await completes.
+  // co_await conn.Send(bytes): OK once the message is on its way and the
+  // bytes are free -- at once for a small message that goes inline (see
+  // the contract above), else once the peer placed it. Copies into the
+  // work request (small, inline), a pooled registered buffer (small) or
+  // sends from the caller's memory (large; registered through the
+  // Worker's cache). The bytes must stay valid until the co_await
+  // completes.
   // Cancelling (the awaiting coroutine's stop token) a Send still waiting
   // for its turn, a credit or a buffer ends it with Cancelled, nothing
   // sent. Once an eager message is posted it goes anyway -- a NIC cannot
@@ -331,9 +342,10 @@ class Connection::SendAwaiter {
   // at once, and co_await then only waits for its completion (not at all
   // when it came meanwhile) -- for a caller with something else to await
   // first (an rpc call's response, which usually comes with the send's
-  // completion: one resume instead of two). False: nothing is posted (the
-  // message takes the slow path, or failed; co_await does it all or says
-  // why). Once it returned true, co_await this awaiter before it is
+  // completion: one resume instead of two). False: nothing is left to
+  // wait for on the wire -- the message went inline and is complete, or it
+  // takes the slow path, or failed; co_await returns at once or does it
+  // all, and says which. Once it returned true, co_await this awaiter before it is
   // destroyed, or its destruction waits for the completion.
   bool PostNow() {
     step_ = Start(std::coroutine_handle<>());
@@ -391,6 +403,7 @@ class Connection::SendAwaiter {
   uint32_t total_ = 0;
   Step step_ = Step::kNone;
   Task<absl::Status> slow_;
+  std::optional<absl::Status> inline_;  // posted inline: the outcome
   // Declared before op_: destroyed after it, so the buffer stays ours until
   // the operation completed (~OpBase waits for that).
   std::optional<transport::BufferPool::Buffer> buf_;

@@ -352,6 +352,20 @@ Task<absl::Status> ConnectionImpl::Close() {
   COVERBS_CM_TRACE(name_, ": Close: status ", status_.ToString(),
                    ", peer_closed ", peer_closed_, ", outstanding WRs ",
                    qp_->outstanding());
+  if (status_.ok() && qp_->inline_sends_in_flight() > 0) {
+    // Small messages sent inline completed at their post; Close delivers
+    // them (the peer acknowledges) before anything below can flush them,
+    // even for a cancelled caller -- the goodbye below would be skipped.
+    // Bounded by close_timeout: a peer that acknowledges nothing loses them.
+    std::stop_token ambient;  // empty: never stops
+    co_await ::coverbs::internal::SwapStopToken{&ambient};
+    absl::Time until = absl::Now() + t;
+    while (status_.ok() && qp_->inline_sends_in_flight() > 0 &&
+           absl::Now() < until) {
+      co_await ctx_.reactor().Sleep(absl::Microseconds(200));
+    }
+    co_await ::coverbs::internal::SwapStopToken{&ambient};
+  }
   if (status_.ok() && started_ && !peer_closed_) {
     // Goodbye first, so the peer reports "closed by the peer", not a loss.
     auto bye = [](ConnectionImpl* self) -> Task<absl::Status> {

@@ -263,6 +263,26 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // The same without waiting: true (and `out` set) when the turn, a credit
   // and a buffer were all free; else nothing is taken.
   bool TryAcquireSend(std::optional<transport::BufferPool::Buffer>& out);
+  // A small message sent without waiting for anything: when the turn and a
+  // credit are free at once and its frame (header, `parts`, then `extra`'s
+  // bytes) fits the QP's inline limit, the frame is written on the stack
+  // and posted with PostInlineSend -- no send buffer, no operation, no
+  // suspension. nullopt: nothing was taken (send the usual way); else the
+  // outcome, OK once the message is posted (a later failure of its
+  // completion takes the connection down, with its reason).
+  std::optional<absl::Status> TrySendInline(
+      MsgType type, uint32_t cookie,
+      std::span<const std::span<const std::byte>> parts, size_t total,
+      const transport::LocalBuffer* extra);
+  // Whether another send may complete at its post: while fewer than
+  // kMaxUnackedInline are unacknowledged. Beyond, a Send waits for its
+  // completion as before, so a flood is paced by the peer's acknowledgements
+  // and does not run the credits dry (every Send would then queue for the
+  // send turn and a credit, a wake-up per message).
+  static constexpr uint32_t kMaxUnackedInline = 16;
+  bool InlineRoom() const {
+    return qp_->inline_sends_in_flight() < kMaxUnackedInline;
+  }
   // A send that holds the turn and its credit but will not post: gives both
   // back (the credit only while up: Fail released every waiter with
   // permits that are not credits).

@@ -85,6 +85,14 @@ void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
                                              : "closed locally"));
     return;
   }
+  // A message sent inline that failed (its completion goes to the QP, and
+  // comes before the flushes it causes) is the reason, not the flush.
+  if (const absl::Status& sent = qp_->inline_send_error(); !sent.ok()) {
+    Fail(absl::Status(
+        sent.code(),
+        absl::StrCat("connection lost: send failed: ", sent.message())));
+    return;
+  }
   Fail(absl::UnavailableError(
       absl::StrCat("connection lost: receive completed with ",
                    transport::WcStatusName(wc.status))));

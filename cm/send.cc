@@ -159,6 +159,44 @@ ConnectionImpl::GetSendBuffer() {
   co_return co_await (*pool)->Get();
 }
 
+std::optional<absl::Status> ConnectionImpl::TrySendInline(
+    MsgType type, uint32_t cookie,
+    std::span<const std::span<const std::byte>> parts, size_t total,
+    const LocalBuffer* extra) {
+  // Stack room for the frame: what a small message needs, while the
+  // device's inline limit may be larger.
+  constexpr size_t kMaxFrame = 256;
+  const size_t len = kHeaderSize + total;
+  if (len > kMaxFrame || len > qp_->max_inline_data()) return std::nullopt;
+  if (!status_.ok() || closing_ || !started_ || !may_send_.is_set()) {
+    return std::nullopt;
+  }
+  // Checked before the header takes the credits it returns to the peer: a
+  // post refused for room would lose them.
+  if (!qp_->CanPostSendNow() || !InlineRoom()) return std::nullopt;
+  if (!send_turn_.TryAcquire(1)) return std::nullopt;
+  if (!credits_.TryAcquire(1)) {
+    send_turn_.Release(1);
+    return std::nullopt;
+  }
+  alignas(8) std::byte frame[kMaxFrame];
+  size_t off =
+      WriteFrame(frame, type, static_cast<uint32_t>(total), cookie, parts);
+  if (extra != nullptr && extra->length > 0) {
+    std::memcpy(frame + off, extra->addr, extra->length);
+    off += extra->length;
+  }
+  send_turn_.Release(1);  // posted in order: nothing runs before the post
+  const LocalBuffer lb{frame, static_cast<uint32_t>(off), 0};
+  absl::Status s = qp_->PostInlineSend({&lb, 1});
+  if (!s.ok()) return OpError("send", s);
+  if (type == kData) {
+    ++stats_.messages_sent;
+    stats_.bytes_sent += total;
+  }
+  return absl::OkStatus();
+}
+
 Task<absl::Status> ConnectionImpl::SendSmall(
     MsgType type, uint32_t cookie,
     std::span<const std::span<const std::byte>> parts, size_t total,
@@ -166,6 +204,11 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   // Nobody waiting and the turn, a credit and a buffer free now: take them
   // without AcquireSend's three nested coroutines (the common case; only
   // uncontended TryAcquires succeed, so FIFO order is kept).
+  if (std::optional<absl::Status> done =
+          TrySendInline(type, cookie, parts, total,
+                        zero_copy.has_value() ? &*zero_copy : nullptr)) {
+    co_return *std::move(done);
+  }
   std::optional<transport::BufferPool::Buffer> buf;
   if (!TryAcquireSend(buf)) {
     auto got = co_await AcquireSend();
@@ -182,6 +225,21 @@ Task<absl::Status> ConnectionImpl::SendSmall(
       std::memcpy(d + off, zero_copy->addr, zero_copy->length);
     off += zero_copy->length;
     zero_copy.reset();
+  }
+  // Waited for the turn or a credit, but fits inline now: posted without
+  // an operation to wait for (the buffer is copied at post; ours again at
+  // once).
+  if (!zero_copy.has_value() && off <= qp_->max_inline_data() &&
+      qp_->CanPostSendNow() && InlineRoom()) {
+    send_turn_.Release(1);
+    const LocalBuffer lb{d, static_cast<uint32_t>(off), send_lkey_};
+    absl::Status posted = qp_->PostInlineSend({&lb, 1});
+    if (!posted.ok()) co_return OpError("send", posted);
+    if (type == kData) {
+      ++stats_.messages_sent;
+      stats_.bytes_sent += total;
+    }
+    co_return absl::OkStatus();
   }
   // The SGE from the pool's cached key: Buffer::Local's bounds checks and
   // key lookup are two calls per message.
@@ -238,6 +296,11 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
   } else {
     for (auto p : parts_) total += p.size();
   }
+  if (total <= c.eager_max_ && total <= c.peer_max_) {
+    inline_ = c.TrySendInline(internal::kData, 0, parts_, total,
+                              registered_ ? &reg_ : nullptr);
+    if (inline_.has_value()) return Step::kDone;
+  }
   // SendSmall's fast path (TryAcquireSend checks what CheckUp would).
   if (total > c.eager_max_ || total > c.peer_max_ || !c.TryAcquireSend(buf_)) {
     slow_ = registered_ ? c.SendRegistered(reg_) : c.SendParts(parts_);
@@ -273,6 +336,7 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
 }
 
 absl::Status Connection::SendAwaiter::await_resume() {
+  if (inline_.has_value()) return *std::move(inline_);
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
   if (!s.ok()) return impl_->OpError("send", s);

@@ -78,7 +78,7 @@ struct QpOptions {
   uint32_t max_recv_wr = 256;
   uint32_t max_send_sge = 4;
   uint32_t max_recv_sge = 4;
-  uint32_t max_inline_data = 64;  // clamped to the device's
+  uint32_t max_inline_data = 128;  // clamped to the device's
   uint8_t rnr_retry = 7;          // 7 = retry forever
   uint8_t min_rnr_timer = 12;
   uint8_t retry_cnt = 7;
@@ -346,6 +346,11 @@ class QueuePair final : private WrOwner {
   // The first failure (not a flush) of a PostInlineSend's completion; OK
   // while there was none.
   const absl::Status& inline_send_error() const { return inline_error_; }
+  // Whether a send posted now would go at once (up, a slot free, nobody
+  // queued for one): PostInlineSend cannot then be refused for room.
+  bool CanPostSendNow() const {
+    return !in_error_ && sq_free_ > 0 && send_waiters_.empty();
+  }
   uint32_t inline_sends_in_flight() const { return inline_in_flight_; }
 
   // --- One-sided.

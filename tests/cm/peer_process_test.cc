@@ -197,13 +197,20 @@ TEST_P(PeerProcessTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     pid_t pid = peer->pid;
     StopProcess(pid);
     absl::Time start = absl::Now();
-    auto msg = Pattern(100, 1);
-    absl::Status s = co_await peer->conn->Send(msg);
+    // A small message completes at its post (inline); the one after it is
+    // too big to go inline and waits for its acknowledgement.
+    auto small = Pattern(100, 1), big = Pattern(1000, 2);
+    CO_ASSERT_OK(co_await peer->conn->Send(small));
+    absl::Status s = co_await peer->conn->Send(big);
     absl::Duration took = absl::Now() - start;
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("RETRY_EXC_ERR"), std::string_view::npos) << s;
     EXPECT_GE(took, absl::Milliseconds(150));
     EXPECT_LT(took, absl::Seconds(5));
+    // The connection is down with the first failure as its reason.
+    EXPECT_NE(peer->conn->status().message().find("RETRY_EXC_ERR"),
+              std::string_view::npos)
+        << peer->conn->status();
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
     co_await peer->conn->Close();
