@@ -204,11 +204,7 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   // Nobody waiting and the turn, a credit and a buffer free now: take them
   // without AcquireSend's three nested coroutines (the common case; only
   // uncontended TryAcquires succeed, so FIFO order is kept).
-  if (std::optional<absl::Status> done =
-          TrySendInline(type, cookie, parts, total,
-                        zero_copy.has_value() ? &*zero_copy : nullptr)) {
-    co_return *std::move(done);
-  }
+  // (SendAwaiter::Start tried TrySendInline just before.)
   std::optional<transport::BufferPool::Buffer> buf;
   if (!TryAcquireSend(buf)) {
     auto got = co_await AcquireSend();
