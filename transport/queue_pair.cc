@@ -191,6 +191,14 @@ QueuePair::QueuePair(std::unique_ptr<ProviderQp> qp, CompletionQueue* cq,
       drained_(std::make_unique<Event>()),
       alive_(std::make_shared<QueuePair*>(this)) {
   inline_sink_.qp = this;
+  inline_sges_ =
+      std::min<uint32_t>(internal_qp::kInlineSges, options_.max_send_sge);
+  inline_wr_ = ibv_send_wr{};
+  inline_wr_.wr_id =
+      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(&inline_sink_)) | 1;
+  inline_wr_.sg_list = inline_sge_;
+  inline_wr_.opcode = IBV_WR_SEND;
+  inline_wr_.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
 }
 
 QueuePair::~QueuePair() {
@@ -532,6 +540,34 @@ void QueuePair::FailWaiters(const absl::Status& s) {
 }
 
 absl::Status QueuePair::PostInlineSend(std::span<const LocalBuffer> bufs) {
+  // Once per small message: the work request is a member with its fixed
+  // fields set once, and every refusal is one test here (the reasons are
+  // sorted out off the fast path).
+  const size_t n = bufs.size();
+  if (in_error_ || qp_ == nullptr || sq_free_ == 0 || !send_waiters_.empty() ||
+      n - 1 >= inline_sges_) [[unlikely]] {
+    return RefuseInlineSend(bufs);
+  }
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    inline_sge_[i] = bufs[i].sge();
+    total += bufs[i].length;
+  }
+  if (total > max_inline_) [[unlikely]]
+    return RefuseInlineSend(bufs);
+  inline_wr_.num_sge = static_cast<int>(n);
+  ibv_send_wr* bad = nullptr;
+  absl::Status s = qp_->PostSend(&inline_wr_, &bad);
+  if (!s.ok()) return s;
+  --sq_free_;
+  ++inline_in_flight_;
+  ++outstanding_;
+  cq_->AddInFlight(1);
+  return absl::OkStatus();
+}
+
+absl::Status QueuePair::RefuseInlineSend(
+    std::span<const LocalBuffer> bufs) const {
   if (in_error_ || qp_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "inline SEND on QP 0x%x: the QP is in the error state", qp_num_));
@@ -542,39 +578,16 @@ absl::Status QueuePair::PostInlineSend(std::span<const LocalBuffer> bufs) {
         "waiting",
         qp_num_, sq_capacity_));
   }
-  ibv_sge sges[internal_qp::kInlineSges];
+  if (bufs.empty() || bufs.size() > inline_sges_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("inline SEND on QP 0x%x: %d buffers (1 to %d)", qp_num_,
+                        bufs.size(), inline_sges_));
+  }
   uint64_t total = 0;
-  const size_t n = bufs.size();
-  if (n == 0 || n > internal_qp::kInlineSges || n > options_.max_send_sge) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "inline SEND on QP 0x%x: %d buffers (1 to %d)", qp_num_, n,
-        std::min<uint32_t>(internal_qp::kInlineSges, options_.max_send_sge)));
-  }
-  for (size_t i = 0; i < n; ++i) {
-    sges[i] = bufs[i].sge();
-    total += bufs[i].length;
-  }
-  if (total > max_inline_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "inline SEND on QP 0x%x: %u bytes exceed the QP's max_inline_data "
-        "of %u",
-        qp_num_, total, max_inline_));
-  }
-  ibv_send_wr wr{};
-  wr.wr_id =
-      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(&inline_sink_)) | 1;
-  wr.sg_list = sges;
-  wr.num_sge = static_cast<int>(n);
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED;
-  ibv_send_wr* bad = nullptr;
-  absl::Status s = qp_->PostSend(&wr, &bad);
-  if (!s.ok()) return s;
-  --sq_free_;
-  ++inline_in_flight_;
-  ++outstanding_;
-  cq_->AddInFlight(1);
-  return absl::OkStatus();
+  for (const LocalBuffer& b : bufs) total += b.length;
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "inline SEND on QP 0x%x: %u bytes exceed the QP's max_inline_data of %u",
+      qp_num_, total, max_inline_));
 }
 
 void QueuePair::InlineSink::OnCompletion(const ibv_wc& wc) {

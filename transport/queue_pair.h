@@ -435,6 +435,7 @@ class QueuePair final : private WrOwner {
   void DrainSync(const std::function<bool()>& done);
   // WrOwner: walks the posted lists (error completions only).
   bool HasPosted(const WorkRequest* wr, const ibv_wc& wc) const override;
+  absl::Status RefuseInlineSend(std::span<const LocalBuffer> bufs) const;
 
   // Takes the completions of PostInlineSend: one per QP (its wr_id), the
   // sends counted, not named -- RC completes a send queue in order.
@@ -463,6 +464,10 @@ class QueuePair final : private WrOwner {
   coverbs::internal::IntrusiveList<RecvHandler> posted_handlers_;
   uint32_t handler_recvs_ = 0;
   InlineSink inline_sink_;
+  // PostInlineSend's work request, its fixed fields set once.
+  ibv_send_wr inline_wr_;
+  ibv_sge inline_sge_[internal_qp::kInlineSges];
+  uint32_t inline_sges_ = 0;  // most buffers per inline send
   uint32_t inline_in_flight_ = 0;
   absl::Status inline_error_;
   bool closing_ = false;
