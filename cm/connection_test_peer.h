@@ -19,6 +19,16 @@ class ConnectionTestPeer {
   static std::vector<GrantPayload> Grants(const Connection& c) {
     return {c.impl_->grants_.begin(), c.impl_->grants_.end()};
   }
+  // The lkeys of the landing buffers `c` grants to its peer (receiver
+  // side), and whether they are grants by memory window.
+  static std::vector<uint32_t> GrantedLkeys(const Connection& c) {
+    std::vector<uint32_t> v;
+    for (const LargeBuffer* lb : c.impl_->granted_) v.push_back(lb->mr.lkey());
+    return v;
+  }
+  static bool LandingWindows(const Connection& c) {
+    return c.impl_->landing_windows_;
+  }
 };
 
 }  // namespace coverbs::cm::internal

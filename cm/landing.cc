@@ -293,9 +293,16 @@ bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h,
   ++stats_.landed_received;
   ++stats_.messages_received;
   stats_.bytes_received += h.length;
+  // Handed over as a finished Message, not as `in.large`: Pump deregisters
+  // a rendezvous buffer's region, which for a window grant is the block's
+  // lasting registration (no remote access) -- dropping it cost a
+  // deregistration here and a registration in the next NewLandingBuffer
+  // per message.
   Incoming in;
   in.ready = true;
-  in.large = lb;
+  in.msg.data_ = lb->mem;
+  in.msg.size_ = lb->size;
+  in.msg.owner_ = lb;
   incoming_.push_back(std::move(in));
   Pump();
   TopUpGrants();

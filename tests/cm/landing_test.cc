@@ -6,6 +6,7 @@
 // a landed header that names no grant breaks only its connection.
 #include <cstdint>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,35 @@ TEST_P(LandingTest, MediumMessagesLandWithoutRendezvousAfterTheFirst) {
     CO_ASSERT_OK(
         co_await Deliver(p->server.get(), p->client.get(), 40000, 9));
     EXPECT_EQ(p->client->stats().landed_received, 1u);
+    co_await Close(*p);
+  }(this));
+}
+
+TEST_P(LandingTest, WindowGrantsKeepTheirBlocksRegistration) {
+  if (!device_->caps().memory_windows) {
+    GTEST_SKIP() << device_->caps().device_name
+                 << " has no memory windows: each grant is a registration";
+  }
+  Run([](LandingTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    const size_t all = ConnectionOptions().landing_buffers;
+    CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get(), all));
+    EXPECT_TRUE(ConnectionTestPeer::LandingWindows(*p->server));
+    // A window grant's block keeps its registration (local write and
+    // MW_BIND only) from message to message: the few blocks in use go
+    // round with the lkeys they had. A registration per message (as
+    // before) shows as a new lkey per grant.
+    std::set<uint32_t> lkeys;
+    for (uint32_t i = 1; i <= 200; ++i) {
+      CO_ASSERT_OK(
+          co_await Deliver(p->client.get(), p->server.get(), 8192 + i, i));
+      for (uint32_t k : ConnectionTestPeer::GrantedLkeys(*p->server)) {
+        lkeys.insert(k);
+      }
+    }
+    EXPECT_EQ(p->server->stats().landed_received, 200u);
+    EXPECT_LE(lkeys.size(), 2 * all) << "a registration per landed message";
     co_await Close(*p);
   }(this));
 }
