@@ -224,6 +224,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // options_.landing_buffers granted once the peer sends medium messages.
   // Sender: the grants a credit message carries.
   bool OnLanded(RecvSlot* slot, const WireHeader& h, const ibv_wc& wc);
+  // Bytes of a `total`-byte landed message that follow its header (the
+  // rest goes by WRITE); `buf_size` is the header's send buffer.
+  uint32_t LandedTail(uint64_t total, size_t buf_size) const;
   void TopUpGrants();
   // The peer announced a rendezvous of `length` bytes: if it could have
   // landed, grant from now on.

@@ -43,7 +43,8 @@ inline constexpr uint32_t kHandshakeMagic = 0x31425643;  // "CVB1"
 //    the RTS/CTS round trip.
 // 6: a landing grant may be a memory window the kLanded header invalidates
 //    (SEND_WITH_INV; kGrantInvalidate in cm/wire.h).
-inline constexpr uint16_t kProtocolVersion = 6;
+// 7: a kLanded header may carry the message's last bytes (cm/landing.cc).
+inline constexpr uint16_t kProtocolVersion = 7;
 inline constexpr size_t kHandshakeSize = 32;
 inline constexpr size_t kMaxAppData = 24;
 

@@ -20,9 +20,11 @@ enum MsgType : uint8_t {
   kHello = 6,    // the active side's first message (protocol 4)
   kGoodbye = 7,  // orderly close: no more messages follow
   // A medium message written by RDMA WRITE into a landing buffer the
-  // receiver granted ahead of time (protocol 5): length = bytes written,
-  // cookie = the grant's sequence number. Posted right after its WRITE, so
-  // RC ordering places the data first; spends a credit like kData.
+  // receiver granted ahead of time (protocol 5): length = message size,
+  // cookie = the grant's sequence number; since protocol 7 the message's
+  // last length % 4096 bytes may follow the header instead (one packet
+  // fewer). Posted right after its WRITE, so RC ordering places the data
+  // first; spends a credit like kData.
   kLanded = 8,
 };
 inline constexpr uint8_t kMaxMsgType = kLanded;
@@ -150,7 +152,8 @@ inline absl::Status ValidateHeader(const WireHeader& h, uint32_t byte_len,
       }
       break;
     case kLanded:
-      if (payload != 0 || h.length == 0) {
+      // Protocol 7: the message's last bytes may follow the header.
+      if (payload >= h.length) {
         return absl::DataLossError(absl::StrFormat(
             "malformed landed message (size %d, %d extra bytes)", h.length,
             payload));

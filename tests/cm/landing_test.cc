@@ -152,6 +152,54 @@ TEST_P(LandingTest, WindowGrantsKeepTheirBlocksRegistration) {
   }(this));
 }
 
+// Protocol 7: the part of a landed message past its last whole 4 KiB
+// rides behind the kLanded header (when it fits the peer's receive buffer)
+// and the WRITE carries the rest; every split arrives intact and in place.
+TEST_P(LandingTest, LandedTailsAtEverySplitArriveIntact) {
+  Run([](LandingTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    const size_t all = ConnectionOptions().landing_buffers;
+    const size_t most = ConnectionOptions().landing_buffer_size;
+    CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get(), all));
+    // Tails of 1, 4095, 0, 1, 32 (the first rpc-level landed size), 4095
+    // and 0 bytes, up to the largest landed message.
+    const size_t sizes[] = {8193,  12287,    12288,   12289,
+                            8224,  most - 1, most};
+    uint32_t seq = 1;
+    for (size_t n : sizes) {
+      CO_ASSERT_OK(co_await Deliver(p->client.get(), p->server.get(), n, seq));
+      ++seq;
+    }
+    EXPECT_EQ(p->server->stats().landed_received, std::size(sizes));
+    EXPECT_EQ(p->server->stats().rendezvous_received, 1u);
+    co_await Close(*p);
+  }(this));
+}
+
+// A kLanded header that carries all it announces (or more) leaves nothing
+// for the WRITE: a violation that fails only that connection.
+TEST_P(LandingTest, LandedHeaderCarryingTheWholeMessageFailsThatConnection) {
+  Run([](LandingTest* t) -> Task<void> {
+    auto bad = co_await t->MakePair();
+    CO_ASSERT_OK(bad);
+    auto good = co_await t->MakePair();
+    CO_ASSERT_OK(good);
+    std::vector<std::byte> raw = LandedHeader(64, 0);
+    raw.resize(raw.size() + 64);
+    CO_ASSERT_OK(co_await SendRaw(*bad->client, raw));
+    auto m = co_await bad->server->Recv();
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+    EXPECT_NE(std::string(m.status().message()).find("malformed landed"),
+              std::string::npos)
+        << m.status();
+    CO_ASSERT_OK(
+        co_await Deliver(good->client.get(), good->server.get(), 30000, 3));
+    co_await Close(*bad);
+    co_await Close(*good);
+  }(this));
+}
+
 // Sends `n` messages, all started at once, sizes cycling through `sizes`;
 // the receiver checks that they arrive complete and in order.
 Task<void> SendAllAtOnce(Reactor* r, Connection* from, Connection* to, int n,
