@@ -7,16 +7,18 @@
 // Here the receiver registers buffers before they are needed and grants
 // them in credit messages; the sender WRITEs into the oldest grant and posts
 // a kLanded header behind it (one post, RC ordering puts the data first),
-// so a medium message costs one one-way trip, as an eager one does.
+// so a medium message costs one one-way trip, as an eager one does; the
+// payload's last size % 4096 bytes ride in the header's packet (protocol 7).
 //
 // Safety, as for the rendezvous: each grant's registration serves exactly
-// one message. The receiver deregisters it when the kLanded naming it
-// arrives -- a later WRITE with that rkey fails with a remote access error
-// -- hands the memory to the application as the Message, and registers a
-// fresh buffer for the next grant. The sender's payload is copied into a
-// registered staging buffer of the Worker (local access only), so no
-// registration happens on its side (a caller's own registered buffer goes
-// straight from there).
+// one message. When the kLanded naming it arrives the receiver deregisters
+// it (or, for a memory window, checks that the header invalidated it; the
+// block's own registration gives no remote access and stays) -- a later
+// WRITE with that rkey fails with a remote access error -- hands the memory
+// to the application as the Message, and grants a fresh buffer. The sender's
+// payload is copied into a registered staging buffer of the Worker (local
+// access only), so no registration happens on its side (a caller's own
+// registered buffer goes straight from there).
 #include <algorithm>
 #include <cstring>
 #include <utility>
