@@ -321,8 +321,7 @@ void QueuePair::Abandon(std::string_view reason) {
     wc.opcode = IBV_WC_RECV;
     static_cast<WorkRequest*>(h)->OnCompletion(wc);
   }
-  wc.wr_id =
-      reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(&inline_sink_)) | 1;
+  wc.wr_id = inline_wr_.wr_id;  // the sink's
   wc.opcode = IBV_WC_SEND;
   while (inline_in_flight_ > 0) inline_sink_.OnCompletion(wc);
 }
@@ -544,8 +543,7 @@ absl::Status QueuePair::PostInlineSend(std::span<const LocalBuffer> bufs) {
   // fields set once, and every refusal is one test here (the reasons are
   // sorted out off the fast path).
   const size_t n = bufs.size();
-  if (in_error_ || qp_ == nullptr || sq_free_ == 0 || !send_waiters_.empty() ||
-      n - 1 >= inline_sges_) [[unlikely]] {
+  if (!CanPostSendNow() || n - 1 >= inline_sges_) [[unlikely]] {
     return RefuseInlineSend(bufs);
   }
   uint64_t total = 0;

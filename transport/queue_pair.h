@@ -352,7 +352,8 @@ class QueuePair final : private WrOwner {
   // Whether a send posted now would go at once (up, a slot free, nobody
   // queued for one): PostInlineSend cannot then be refused for room.
   bool CanPostSendNow() const {
-    return !in_error_ && sq_free_ > 0 && send_waiters_.empty();
+    return !in_error_ && qp_ != nullptr && sq_free_ > 0 &&
+           send_waiters_.empty();
   }
   uint32_t inline_sends_in_flight() const { return inline_in_flight_; }
 
