@@ -277,15 +277,21 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
       MsgType type, uint32_t cookie,
       std::span<const std::span<const std::byte>> parts, size_t total,
       const transport::LocalBuffer* extra);
-  // Whether another send may complete at its post: while fewer than
-  // kMaxUnackedInline are unacknowledged. Beyond, a Send waits for its
-  // completion as before, so a flood is paced by the peer's acknowledgements
-  // and does not run the credits dry (every Send would then queue for the
-  // send turn and a credit, a wake-up per message).
+  // Whether a send may be posted inline now and complete at its post: the
+  // QP takes it at once, and fewer than kMaxUnackedInline are
+  // unacknowledged. Beyond, a Send waits for its completion as before, so
+  // a flood is paced by the peer's acknowledgements and does not run the
+  // credits dry (every Send would then queue for the send turn and a
+  // credit, a wake-up per message).
   static constexpr uint32_t kMaxUnackedInline = 16;
-  bool InlineRoom() const {
-    return qp_->inline_sends_in_flight() < kMaxUnackedInline;
+  bool CanSendInlineNow() const {
+    return qp_->CanPostSendNow() &&
+           qp_->inline_sends_in_flight() < kMaxUnackedInline;
   }
+  // Posts a written frame inline (CanSendInlineNow() held) and counts the
+  // message: OK once posted, else the connection's view of the failure.
+  absl::Status PostFrameInline(MsgType type, size_t total,
+                               const transport::LocalBuffer& frame);
   // A send that holds the turn and its credit but will not post: gives both
   // back (the credit only while up: Fail released every waiter with
   // permits that are not credits).

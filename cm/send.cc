@@ -173,7 +173,7 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
   }
   // Checked before the header takes the credits it returns to the peer: a
   // post refused for room would lose them.
-  if (!qp_->CanPostSendNow() || !InlineRoom()) return std::nullopt;
+  if (!CanSendInlineNow()) return std::nullopt;
   if (!send_turn_.TryAcquire(1)) return std::nullopt;
   if (!credits_.TryAcquire(1)) {
     send_turn_.Release(1);
@@ -187,8 +187,13 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
     off += extra->length;
   }
   send_turn_.Release(1);  // posted in order: nothing runs before the post
-  const LocalBuffer lb{frame, static_cast<uint32_t>(off), 0};
-  absl::Status s = qp_->PostInlineSend({&lb, 1});
+  return PostFrameInline(type, total,
+                         LocalBuffer{frame, static_cast<uint32_t>(off), 0});
+}
+
+absl::Status ConnectionImpl::PostFrameInline(MsgType type, size_t total,
+                                             const LocalBuffer& frame) {
+  absl::Status s = qp_->PostInlineSend({&frame, 1});
   if (!s.ok()) return OpError("send", s);
   if (type == kData) {
     ++stats_.messages_sent;
@@ -226,16 +231,10 @@ Task<absl::Status> ConnectionImpl::SendSmall(
   // an operation to wait for (the buffer is copied at post; ours again at
   // once).
   if (!zero_copy.has_value() && off <= qp_->max_inline_data() &&
-      qp_->CanPostSendNow() && InlineRoom()) {
+      CanSendInlineNow()) {
     send_turn_.Release(1);
-    const LocalBuffer lb{d, static_cast<uint32_t>(off), send_lkey_};
-    absl::Status posted = qp_->PostInlineSend({&lb, 1});
-    if (!posted.ok()) co_return OpError("send", posted);
-    if (type == kData) {
-      ++stats_.messages_sent;
-      stats_.bytes_sent += total;
-    }
-    co_return absl::OkStatus();
+    co_return PostFrameInline(
+        type, total, LocalBuffer{d, static_cast<uint32_t>(off), send_lkey_});
   }
   // The SGE from the pool's cached key: Buffer::Local's bounds checks and
   // key lookup are two calls per message.
