@@ -344,6 +344,23 @@ Task<absl::Status> ConnectionImpl::WaitPeerSpoke(absl::Time deadline) {
   co_return status_;
 }
 
+namespace {
+
+// Polls `done` every `step` until it holds or `until` passes. Not
+// cancellable: the ambient stop token is swapped for an empty one, since
+// under a stopped token each Sleep returned Cancelled at once and Close's
+// waits spun the CPU until close_timeout.
+template <typename Done>
+Task<void> PollUnstoppable(Reactor& reactor, Done done, absl::Time until,
+                           absl::Duration step) {
+  std::stop_token ambient;  // empty: never stops
+  co_await ::coverbs::internal::SwapStopToken{&ambient};
+  while (!done() && absl::Now() < until) co_await reactor.Sleep(step);
+  co_await ::coverbs::internal::SwapStopToken{&ambient};
+}
+
+}  // namespace
+
 Task<absl::Status> ConnectionImpl::Close() {
   if (closing_) {
     co_return absl::OkStatus();
@@ -357,14 +374,11 @@ Task<absl::Status> ConnectionImpl::Close() {
     // them (the peer acknowledges) before anything below can flush them,
     // even for a cancelled caller -- the goodbye below would be skipped.
     // Bounded by close_timeout: a peer that acknowledges nothing loses them.
-    std::stop_token ambient;  // empty: never stops
-    co_await ::coverbs::internal::SwapStopToken{&ambient};
-    absl::Time until = absl::Now() + t;
-    while (status_.ok() && qp_->inline_sends_in_flight() > 0 &&
-           absl::Now() < until) {
-      co_await ctx_.reactor().Sleep(absl::Microseconds(200));
-    }
-    co_await ::coverbs::internal::SwapStopToken{&ambient};
+    auto delivered = [this] {
+      return !status_.ok() || qp_->inline_sends_in_flight() == 0;
+    };
+    co_await PollUnstoppable(ctx_.reactor(), delivered, absl::Now() + t,
+                             absl::Microseconds(200));
   }
   if (status_.ok() && started_ && !peer_closed_) {
     // Goodbye first, so the peer reports "closed by the peer", not a loss.
@@ -387,16 +401,10 @@ Task<absl::Status> ConnectionImpl::Close() {
   // a device that lost some (siw after the peer's TERMINATE) gets its QP
   // destroyed, which also ends the NIC's access, and the rest completed.
   qp_->SetError("closed").IgnoreError();
-  absl::Time until = absl::Now() + t;
-  // Not cancellable: the buffers must outlive the NIC's use of them, and
-  // under a stopped token each Sleep returned Cancelled at once, so this
-  // loop spun the CPU until close_timeout.
-  std::stop_token ambient;  // empty: never stops
-  co_await ::coverbs::internal::SwapStopToken{&ambient};
-  while (qp_->outstanding() > 0 && absl::Now() < until) {
-    co_await ctx_.reactor().Sleep(absl::Milliseconds(1));
-  }
-  co_await ::coverbs::internal::SwapStopToken{&ambient};
+  // Not cancellable: the buffers must outlive the NIC's use of them.
+  auto flushed = [this] { return qp_->outstanding() == 0; };
+  co_await PollUnstoppable(ctx_.reactor(), flushed, absl::Now() + t,
+                           absl::Milliseconds(1));
   if (qp_->outstanding() > 0) {
     COVERBS_CM_TRACE(name_, ": Close: ", qp_->outstanding(),
                      " WRs never flushed; abandoning the QP");
