@@ -291,13 +291,14 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
   } else {
     for (auto p : parts_) total += p.size();
   }
-  if (total <= c.eager_max_ && total <= c.peer_max_) {
+  const bool eager = total <= c.eager_max_ && total <= c.peer_max_;
+  if (eager) {
     inline_ = c.TrySendInline(internal::kData, 0, parts_, total,
                               registered_ ? &reg_ : nullptr);
     if (inline_.has_value()) return Step::kDone;
   }
   // SendSmall's fast path (TryAcquireSend checks what CheckUp would).
-  if (total > c.eager_max_ || total > c.peer_max_ || !c.TryAcquireSend(buf_)) {
+  if (!eager || !c.TryAcquireSend(buf_)) {
     slow_ = registered_ ? c.SendRegistered(reg_) : c.SendParts(parts_);
     return Step::kSlow;
   }
