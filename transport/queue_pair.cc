@@ -629,13 +629,64 @@ absl::Status QueuePair::PostRecv(RecvHandler* h,
   }
   absl::Status s = PostHandlerRecv(*qp_, h, bufs);
   if (!s.ok()) return s;
-  h->qp_ = this;
-  posted_handlers_.push_back(h);
-  --rq_free_;
-  ++handler_recvs_;
-  ++outstanding_;
-  cq_->AddInFlight(1);
+  TrackRecvs(std::span<RecvHandler* const>(&h, 1));
   return absl::OkStatus();
+}
+
+absl::Status QueuePair::PostRecvs(std::span<RecvHandler* const> hs,
+                                  std::span<const LocalBuffer> bufs) {
+  const size_t n = hs.size();
+  if (n == 0) return absl::OkStatus();
+  if (n > kMaxRecvBatch || bufs.size() != n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "RECV batch on QP 0x%x: %u handlers and %u buffers (at most %u)",
+        qp_num_, n, bufs.size(), kMaxRecvBatch));
+  }
+  if (in_error_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "RECV on QP 0x%x: the QP is in the error state", qp_num_));
+  }
+  if (rq_free_ < n || !recv_waiters_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "RECV batch of %u on QP 0x%x: the receive queue (%u) has %u free", n,
+        qp_num_, rq_capacity_, rq_free_));
+  }
+  ibv_recv_wr wrs[kMaxRecvBatch];
+  ibv_sge sges[kMaxRecvBatch];
+  for (size_t i = 0; i < n; ++i) {
+    sges[i] = bufs[i].sge();
+    wrs[i].wr_id =
+        reinterpret_cast<uint64_t>(static_cast<WorkRequest*>(hs[i])) | 1;
+    wrs[i].next = i + 1 < n ? &wrs[i + 1] : nullptr;
+    wrs[i].sg_list = &sges[i];
+    wrs[i].num_sge = 1;
+  }
+  ibv_recv_wr* bad = nullptr;
+  absl::Status s = qp_->PostRecv(wrs, &bad);
+  if (s.ok()) {
+    TrackRecvs(hs);
+    return s;
+  }
+  // The verbs contract: the work requests before *bad were posted. A
+  // provider that failed without naming one posted none of them.
+  size_t posted = bad != nullptr ? static_cast<size_t>(bad - wrs) : 0;
+  if (posted > n) posted = 0;
+  TrackRecvs(hs.first(posted));
+  return absl::Status(
+      s.code(), absl::StrFormat("%s (%u of a batch of %u posted)", s.message(),
+                                posted, n));
+}
+
+void QueuePair::TrackRecvs(std::span<RecvHandler* const> hs) {
+  for (RecvHandler* h : hs) {
+    h->qp_ = this;
+    posted_handlers_.push_back(h);
+  }
+  const auto n = static_cast<uint32_t>(hs.size());
+  rq_free_ -= n;
+  handler_recvs_ += n;
+  outstanding_ += n;
+  cq_->AddInFlight(static_cast<int>(n));
 }
 
 }  // namespace coverbs::transport

@@ -383,6 +383,16 @@ class QueuePair final : private WrOwner {
   // alive until its completion was delivered.
   // Fails with ResourceExhausted when the receive queue is full.
   absl::Status PostRecv(RecvHandler* h, std::span<const LocalBuffer> bufs);
+  // Up to kMaxRecvBatch receives with one post call, `hs[i]` into the single
+  // buffer `bufs[i]`: a receiver that refills its ring in batches pays the
+  // post (and the provider's queue lock) once per batch, not per message.
+  // Refused as a whole (nothing posted) when the QP is in error or the
+  // receive queue has no room for all of them. If the provider refuses a
+  // receive of the chain, the ones before it stay posted and complete as
+  // usual; the error says how many were.
+  static constexpr size_t kMaxRecvBatch = 32;
+  absl::Status PostRecvs(std::span<RecvHandler* const> hs,
+                         std::span<const LocalBuffer> bufs);
 
   // Moves the QP to the error state (flushes everything outstanding).
   absl::Status SetError(std::string_view reason = "requested");
@@ -434,6 +444,8 @@ class QueuePair final : private WrOwner {
   void PumpWaiters();
   void FailWaiters(const absl::Status& s);
   void OnOpDone();
+  // Counts handler receives that the provider took.
+  void TrackRecvs(std::span<RecvHandler* const> hs);
   // Polls the CQ synchronously (bounded) until `done`; for destruction
   // paths that cannot suspend.
   void DrainSync(const std::function<bool()>& done);
