@@ -8,6 +8,7 @@
 #define COVERBS_CM_CONNECTION_IMPL_H_
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -161,6 +162,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
+  // Ring mode: posts the slots gathered by ReturnSlot and owes the peer
+  // their credits; on failure the connection is failed (false).
+  bool FlushRefill();
   // Posts `slot` again; on failure the connection is failed (false).
   bool Repost(RecvSlot* slot);
 
@@ -323,7 +327,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // SRQ mode: credits the peer may hold now -- announced and unspent, owed,
   // or behind a Message the application holds (its credit returns when the
   // Message is freed).
-  uint32_t RecvWindow() const { return outstanding_ + to_return_ + held_; }
+  // (Ring mode: the slots waiting for their batched repost count as
+  // released.)
+  uint32_t RecvWindow() const {
+    return outstanding_ + to_return_ + refill_n_ + held_;
+  }
   // A credit-spending message arrived (`low`: the peer set kFlagCreditLow on
   // it); false (the connection failed) if the peer had no credit left.
   bool Spent(bool low);
@@ -381,6 +389,16 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t held_ = 0;       // SRQ: our receives held by Messages (a credit each
                             // once released)
   uint32_t to_return_ = 0;  // reposted, not yet announced
+  // Ring mode: released slots not posted again yet. They go back with one
+  // post call once refill_batch_ gathered (eRPC's batched refill), or as
+  // soon as their credits would be due (to_return_ + refill_n_ reaching the
+  // return threshold), so batching never holds back a credit the peer would
+  // have got: the peer's credits plus what is owed stay as before.
+  static constexpr uint32_t kMaxRefill = 16;
+  std::array<transport::RecvHandler*, kMaxRefill> refill_{};
+  std::array<LocalBuffer, kMaxRefill> refill_bufs_{};
+  uint32_t refill_n_ = 0;
+  uint32_t refill_batch_ = 1;
   uint32_t credit_msgs_seen_ = 0;  // kCredit messages received (acked)
   std::deque<Incoming> incoming_;  // in arrival order
   MessageQueue ready_;             // deliverable, in order

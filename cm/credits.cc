@@ -159,9 +159,38 @@ void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
     if (pool_ != nullptr) pool_->Post(slot);
     return;
   }
-  if (!RepostBody(slot)) return;
-  ReplenishBody();
+  if (pool_ != nullptr) {
+    if (!RepostBody(slot)) return;
+    ReplenishBody();
+  } else {
+    refill_[refill_n_] = slot;
+    refill_bufs_[refill_n_++] = {
+        slot->data, static_cast<uint32_t>(ring_->slot_size), ring_->mr.lkey()};
+    // Posted now when the batch is full, or when these credits make the
+    // owed ones due (once they are due, a credit message is on its way).
+    const uint32_t due = ReturnThresholdBody();
+    if (refill_n_ < refill_batch_ &&
+        (to_return_ >= due || to_return_ + refill_n_ < due)) {
+      return;
+    }
+    if (!FlushRefill()) return;
+  }
   MaybeSendCreditsBody();
+}
+
+bool ConnectionImpl::FlushRefill() {
+  const uint32_t n = std::exchange(refill_n_, 0);
+  if (n == 0) return true;
+  absl::Status s =
+      qp_->PostRecvs(std::span(refill_.data(), n),
+                     std::span<const LocalBuffer>(refill_bufs_.data(), n));
+  if (!s.ok()) {
+    Fail(absl::UnavailableError(
+        absl::StrCat("connection lost: reposting receives: ", s.message())));
+    return false;
+  }
+  to_return_ += n;
+  return true;
 }
 
 }  // namespace coverbs::cm::internal

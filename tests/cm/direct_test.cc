@@ -5,6 +5,7 @@
 // down, and no receiver left waiting when it goes down.
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <span>
 #include <stop_token>
@@ -257,6 +258,54 @@ TEST_P(DirectTest, RecvCompletesAtOnceOrWaits) {
     co_await wg.Wait();
     EXPECT_TRUE(done);
     EXPECT_EQ(got, "second");
+    co_await Close(*p);
+  }(this));
+}
+
+// A receiver that keeps most of its window held -- a sliding window of
+// recv_credits - recv_credits / 4 Messages, the oldest released as each new
+// one arrives -- still gets every message: receives released in batches
+// (ConnectionImpl::FlushRefill) go back to the peer as credits no later
+// than one at a time would, and never before they are posted (rnr_retry 0:
+// a SEND into an empty receive queue fails the connection). Reposting only
+// full batches would owe up to a batch more and stall here.
+TEST_P(DirectTest, HoldingMostOfTheWindowNeverStalls) {
+  Run([](CmTest* t) -> Task<void> {
+    constexpr uint32_t kCredits = 64;
+    ConnectOptions co;
+    co.connection.recv_credits = kCredits;
+    co.connection.qp.rnr_retry = 0;
+    ListenerOptions lo;
+    lo.connection.recv_credits = kCredits;
+    lo.connection.qp.rnr_retry = 0;
+    auto p = co_await t->MakePair(co, lo);
+    CO_ASSERT_OK(p);
+    constexpr int kMsgs = 400;
+    WaitGroup wg;
+    wg.Add();
+    t->reactor_->Spawn([](Connection* c, WaitGroup* wg) -> Task<void> {
+      for (int i = 0; i < kMsgs; ++i) {
+        auto b = Pattern(24, static_cast<uint8_t>(i));
+        absl::Status s = co_await c->Send(b);
+        EXPECT_TRUE(s.ok()) << "message " << i << ": " << s;
+        if (!s.ok()) break;
+      }
+      wg->Done();
+    }(p->client.get(), &wg));
+    constexpr size_t kHold = kCredits - kCredits / 4;
+    std::deque<Message> held;
+    for (int i = 0; i < kMsgs; ++i) {
+      auto m = co_await p->server->Recv();
+      CO_ASSERT_OK(m);
+      EXPECT_TRUE(Same(m->data(), Pattern(24, static_cast<uint8_t>(i))))
+          << "message " << i;
+      held.push_back(*std::move(m));
+      if (held.size() > kHold) held.pop_front();
+    }
+    co_await wg.Wait();
+    EXPECT_TRUE(p->client->status().ok()) << p->client->status();
+    EXPECT_TRUE(p->server->status().ok()) << p->server->status();
+    held.clear();
     co_await Close(*p);
   }(this));
 }
