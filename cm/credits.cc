@@ -24,11 +24,14 @@ Task<void> ConnectionImpl::SendCreditMessage() {
       s = buf.status();
       break;
     }
+    // Receives released since are posted now and ride along: the credits
+    // go back in this message rather than the next one.
+    if (!FlushRefill()) break;
     if ((to_return_ == 0 && grants_unsent_ == 0) || !status_.ok()) break;
     s = co_await SendCreditFrame(*buf, 0);
     if (!s.ok()) break;
     // Keep going only if a lot accumulated meanwhile.
-    if (to_return_ < ReturnThreshold() && !GrantsDue()) break;
+    if (to_return_ + refill_n_ < ReturnThreshold() && !GrantsDue()) break;
   }
   credit_msg_running_ = false;
   FailInternalSend(s, "a credit message");
