@@ -464,13 +464,14 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       return Payload(*std::move(m), kHeaderSize, c->held_anchor);
     };
     const bool large = m->size() > c->eager_max;
-    Request req{method->name, h.method_id, h.call_id, &conn.peer(),
-                take_payload()};
     c->active.Add();
     // A plain pointer to the connection state: this loop holds it and
     // waits for every call (c->active) before it lets go. The call runs
-    // now, until it first waits (CallCoro).
-    CallCoro call_coro = RunCall(c.get(), h.call_id, method, std::move(req));
+    // now, until it first waits (CallCoro). The request is built as the
+    // argument itself: one move (into the frame) less than from a local.
+    CallCoro call_coro = RunCall(c.get(), h.call_id, method,
+                                 Request{method->name, h.method_id, h.call_id,
+                                         &conn.peer(), take_payload()});
     CallCoro::promise_type& pr = call_coro.h.promise();
     pr.set_stop_token(std::move(token));
     pr.live = &c->live_calls;
