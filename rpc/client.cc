@@ -119,6 +119,17 @@ struct ClientState {
   uint64_t request_limit = 0;
   bool closing = false;
   Client::Stats stats;
+  // The method of the last call and its id: calls mostly name one method,
+  // and comparing the name is cheaper than hashing it (MethodId) per call.
+  std::string last_method;
+  uint32_t last_method_id = 0;
+  uint32_t IdOf(std::string_view method) {
+    if (method.size() != last_method.size() || method != last_method) {
+      last_method_id = MethodId(method);
+      last_method.assign(method);
+    }
+    return last_method_id;
+  }
   // Calls usually run under one token (their caller's, the same for all of
   // them): those waiting under `watch_token` are listed here and share one
   // stop callback instead of registering one each (a registration and its
@@ -175,10 +186,18 @@ struct Pending final : coverbs::internal::CancellableOp,
     result.emplace(std::move(r));
     if (waiting) Finish();
   }
-  // A response, built in place (one move of the payload less per call).
-  void Complete(Response r) {
+  // A response, built in place: a copy of `bytes` (a small one), or the
+  // bytes of `m` after the header (no Payload moved from argument to
+  // argument first).
+  void CompleteCopy(std::span<const std::byte> bytes) {
     registered = false;
-    result.emplace(std::move(r));
+    result.emplace(absl::in_place,
+                   std::vector<std::byte>(bytes.begin(), bytes.end()));
+    if (waiting) Finish();
+  }
+  void CompleteHeld(cm::Message m) {
+    registered = false;
+    result.emplace(absl::in_place, std::move(m), kHeaderSize);
     if (waiting) Finish();
   }
 
@@ -275,9 +294,9 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
     if (h.type == FrameType::kError) {
       p->Complete(StatusFromErrorFrame(*f));
     } else if (m->size() <= st->eager_max) {
-      p->Complete(Payload::Copy(f->payload));
+      p->CompleteCopy(f->payload);
     } else {
-      p->Complete(Payload(*std::move(m), kHeaderSize));
+      p->CompleteHeld(*std::move(m));
     }
   }
   if (close) (void)co_await Unstoppable(conn.Close());
@@ -414,7 +433,7 @@ absl::Status CallFailed(const std::shared_ptr<ClientState>& st,
 Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
                                          std::string_view method,
                                          std::span<const std::byte> payload) {
-  const uint32_t method_id = MethodId(method);
+  const uint32_t method_id = st->IdOf(method);
   // CheckCall's conditions first, without a call and a Status per call.
   if (!st->status.ok() || payload.size() > st->request_limit ||
       payload.size() > 0xffffffffull) {
