@@ -268,17 +268,24 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
           "rpc connection ", conn.name(), " is down: ", m.status().message())));
       break;
     }
-    auto f = DecodeFrame(m->data(), Side::kClient, st->limits);
-    if (!f.ok()) {
-      st->FailAll(absl::UnavailableError(absl::StrCat(
-          "rpc connection ", conn.name(),
-          " closed: bad frame from the server: ", f.status().message())));
-      close = true;
-      break;
+    // A response inline; anything else (an error frame, a bad frame)
+    // through DecodeFrame.
+    Frame f;
+    if (!DecodeUsualFrame(m->data(), Side::kClient, st->limits, f)) {
+      absl::StatusOr<Frame> other =
+          DecodeFrame(m->data(), Side::kClient, st->limits);
+      if (!other.ok()) {
+        st->FailAll(absl::UnavailableError(absl::StrCat(
+            "rpc connection ", conn.name(),
+            " closed: bad frame from the server: ", other.status().message())));
+        close = true;
+        break;
+      }
+      f = *other;
     }
-    const FrameHeader& h = f->header;
+    const FrameHeader& h = f.header;
     if (h.call_id == 0) {  // the server closes the connection, and says why
-      absl::Status why = StatusFromErrorFrame(*f);
+      absl::Status why = StatusFromErrorFrame(f);
       st->FailAll(absl::UnavailableError(
           absl::StrCat("rpc connection ", conn.name(),
                        " closed by the server: ", why.ToString())));
@@ -292,9 +299,9 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
       continue;
     }
     if (h.type == FrameType::kError) {
-      p->Complete(StatusFromErrorFrame(*f));
+      p->Complete(StatusFromErrorFrame(f));
     } else if (m->size() <= st->eager_max) {
-      p->CompleteCopy(f->payload);
+      p->CompleteCopy(f.payload);
     } else {
       p->CompleteHeld(*std::move(m));
     }

@@ -374,8 +374,15 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       why = m.status();
       break;
     }
-    auto f = DecodeFrame(m->data(), Side::kServer, c->limits);
-    if (!f.ok()) {
+    // A request or cancel inline; anything else through DecodeFrame, which
+    // says what is wrong.
+    Frame f;
+    absl::StatusOr<Frame> other(absl::in_place);
+    if (!DecodeUsualFrame(m->data(), Side::kServer, c->limits, f)) {
+      other = DecodeFrame(m->data(), Side::kServer, c->limits);
+      if (other.ok()) f = *other;
+    }
+    if (!other.ok()) {
       stats_.protocol_errors.fetch_add(1);
       // Answer the call whose id the header carries (when it can be read and
       // is not a running call's), then the connection as a whole (id 0)
@@ -384,9 +391,10 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       uint64_t id = 0;
       auto peek = PeekHeader(m->data());
       if (peek.ok()) id = peek->call_id;
-      why = absl::Status(f.status().code(),
-                         absl::StrCat("rpc server on ", conn.name(),
-                                      ": bad frame: ", f.status().message()));
+      why =
+          absl::Status(other.status().code(),
+                       absl::StrCat("rpc server on ", conn.name(),
+                                    ": bad frame: ", other.status().message()));
       if (id != 0 && c->calls.Find(id) == nullptr) {
         (void)co_await Unstoppable(
             WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
@@ -395,7 +403,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
           WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
       break;
     }
-    const FrameHeader& h = f->header;
+    const FrameHeader& h = f.header;
     if (h.type == FrameType::kCancel) {
       stats_.cancels_received.fetch_add(1);
       Call* call = c->calls.Find(h.call_id);
@@ -452,14 +460,14 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
         break;
       }
     }
-    stats_.request_bytes.fetch_add(f->payload.size());
+    stats_.request_bytes.fetch_add(f.payload.size());
     // The request is built in place, its payload too (each Payload
     // move-assignment cost a variant visit).
     auto take_payload = [&]() -> Payload {
       if (m->size() > c->eager_max) return Payload(*std::move(m), kHeaderSize);
       if (c->held() >= c->max_held) {
         stats_.copied_requests.fetch_add(1);
-        return Payload::Copy(f->payload);
+        return Payload::Copy(f.payload);
       }
       return Payload(*std::move(m), kHeaderSize, c->held_anchor);
     };

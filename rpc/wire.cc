@@ -33,9 +33,7 @@ void Put(std::byte* p, T v) {
 }
 template <typename T>
 T Get(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return ToWire(v);
+  return wire_internal::LoadLE<T>(p);
 }
 void Put16(std::byte* p, uint16_t v) { Put(p, v); }
 void Put32(std::byte* p, uint32_t v) { Put(p, v); }
@@ -154,27 +152,11 @@ absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data) {
 
 absl::StatusOr<Frame> DecodeFrame(std::span<const std::byte> data, Side side,
                                   const DecodeLimits& limits) {
-  // Every message takes this path: the usual frames (a request or cancel on
-  // the server, a response on the client) are read once and accepted by a
-  // few comparisons. Anything else -- error frames, and every malformed
-  // frame -- goes through the rules one by one, which also name what is
-  // wrong.
-  if (data.size() >= kHeaderSize) {
-    const FrameHeader h = ReadHeader(data.data());
-    const size_t payload = data.size() - kHeaderSize;
-    bool ok = Get32(&data[0]) == kFrameMagic &&
-              static_cast<uint8_t>(data[4]) == kWireVersion && h.flags == 0 &&
-              Get32(&data[28]) == 0 && h.call_id != 0 && h.status == 0 &&
-              h.payload_len == payload && h.payload_len <= limits.max_payload;
-    if (ok && side == Side::kServer) {
-      ok = h.method_id != 0 &&
-           (h.type == FrameType::kRequest ||
-            (h.type == FrameType::kCancel && h.payload_len == 0));
-    } else if (ok) {
-      ok = h.type == FrameType::kResponse;
-    }
-    if (ok) return Frame{h, data.subspan(kHeaderSize)};
-  }
+  // The usual frames pass DecodeUsualFrame. Anything else -- error frames,
+  // and every malformed frame -- goes through the rules one by one, which
+  // also name what is wrong.
+  Frame f;
+  if (DecodeUsualFrame(data, side, limits, f)) return f;
   return DecodeFrameSlow(data, side, limits);
 }
 

@@ -21,8 +21,10 @@
 #define COVERBS_RPC_WIRE_H_
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
@@ -97,6 +99,57 @@ std::string EncodeError(uint64_t call_id, uint32_t method_id,
 // answering a frame that failed validation with the call id it carried.
 // Fails if `data` is shorter than a header or the magic is wrong.
 absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data);
+
+namespace wire_internal {
+// A little-endian field at any alignment (memcpy: one load on x86).
+template <typename T>
+T LoadLE(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  if constexpr (std::endian::native == std::endian::big) {
+    T r = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) {
+      r = static_cast<T>((r << 8) | ((v >> (8 * i)) & 0xff));
+    }
+    return r;
+  }
+  return v;
+}
+}  // namespace wire_internal
+
+// DecodeFrame's first step, inline: the frames every call brings (a
+// request or a cancel on the server, a response on the client) are read
+// once and accepted by a few comparisons, with no StatusOr built and no
+// call made (~15 instructions less per message). True: `out` is that
+// frame. False: the frame is not one of those, or is bad -- DecodeFrame
+// says which.
+inline bool DecodeUsualFrame(std::span<const std::byte> data, Side side,
+                             const DecodeLimits& limits, Frame& out) {
+  using wire_internal::LoadLE;
+  if (data.size() < kHeaderSize) return false;
+  const std::byte* d = data.data();
+  FrameHeader& h = out.header;
+  h.type = static_cast<FrameType>(d[5]);
+  h.flags = LoadLE<uint16_t>(d + 6);
+  h.call_id = LoadLE<uint64_t>(d + 8);
+  h.method_id = LoadLE<uint32_t>(d + 16);
+  h.status = LoadLE<uint32_t>(d + 20);
+  h.payload_len = LoadLE<uint32_t>(d + 24);
+  const size_t payload = data.size() - kHeaderSize;
+  bool ok = LoadLE<uint32_t>(d) == kFrameMagic &&
+            static_cast<uint8_t>(d[4]) == kWireVersion && h.flags == 0 &&
+            LoadLE<uint32_t>(d + 28) == 0 && h.call_id != 0 && h.status == 0 &&
+            h.payload_len == payload && h.payload_len <= limits.max_payload;
+  if (ok && side == Side::kServer) {
+    ok = h.method_id != 0 &&
+         (h.type == FrameType::kRequest ||
+          (h.type == FrameType::kCancel && h.payload_len == 0));
+  } else if (ok) {
+    ok = h.type == FrameType::kResponse;
+  }
+  if (ok) out.payload = data.subspan(kHeaderSize);
+  return ok;
+}
 
 // Decodes and validates one frame as received by `side`. Errors:
 //  - InvalidArgument: truncated (shorter than a header), bad magic, unknown
