@@ -29,14 +29,16 @@ namespace internal {
 // the map. Reactor thread only.
 class PendingTable {
  public:
+  // The ring inline, the map out of line (inline, the map's code kept the
+  // compiler from inlining the whole: a call per add and per take).
   void Add(uint64_t id, Pending* p) {
     Slot& s = ring_[id & (kRing - 1)];
+    ++size_;
     if (s.p == nullptr) {
       s = {id, p};
     } else {
-      overflow_.emplace(id, p);
+      AddToMap(id, p);
     }
-    ++size_;
   }
   // Removes and returns id's call, or null when there is none.
   Pending* Take(uint64_t id) {
@@ -46,12 +48,7 @@ class PendingTable {
       return std::exchange(s.p, nullptr);
     }
     if (overflow_.empty()) return nullptr;
-    auto it = overflow_.find(id);
-    if (it == overflow_.end()) return nullptr;
-    Pending* p = it->second;
-    overflow_.erase(it);
-    --size_;
-    return p;
+    return TakeFromMap(id);
   }
   // Removes id's entry if it is `p`'s.
   void Remove(uint64_t id, const Pending* p) {
@@ -82,6 +79,17 @@ class PendingTable {
   }
 
  private:
+  [[gnu::noinline]] void AddToMap(uint64_t id, Pending* p) {
+    overflow_.emplace(id, p);
+  }
+  [[gnu::noinline]] Pending* TakeFromMap(uint64_t id) {
+    auto it = overflow_.find(id);
+    if (it == overflow_.end()) return nullptr;
+    Pending* p = it->second;
+    overflow_.erase(it);
+    --size_;
+    return p;
+  }
   static constexpr size_t kRing = 256;
   struct Slot {
     uint64_t id = 0;
@@ -168,7 +176,9 @@ struct Pending final : coverbs::internal::CancellableOp,
 
   Pending(ClientState* s, uint64_t i)
       : CancellableOp(s->reactor), st(s), id(i) {}
-  ~Pending() {
+  // Inline (once per call, in the call's frame): out of line it was a call
+  // that also re-tested the result just moved out (~11 Ir per call).
+  [[gnu::always_inline]] ~Pending() {
     cb.reset();
     Unwatch();
     // Frame destroyed while registered (reactor shutdown), or the call
