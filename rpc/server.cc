@@ -374,6 +374,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       std::min<uint64_t>(options_.max_response_size,
                          conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
+  Frame f;  // (out of the loop: not built anew per message)
   for (;;) {
     // Recv has no coroutine frame: a request already there is taken
     // without suspending.
@@ -384,13 +385,17 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }
     // A request or cancel inline; anything else through DecodeFrame, which
     // says what is wrong.
-    Frame f;
-    absl::StatusOr<Frame> other(absl::in_place);
+    absl::Status bad;
     if (!DecodeUsualFrame(m->data(), Side::kServer, c->limits, f)) {
-      other = DecodeFrame(m->data(), Side::kServer, c->limits);
-      if (other.ok()) f = *other;
+      absl::StatusOr<Frame> other =
+          DecodeFrame(m->data(), Side::kServer, c->limits);
+      if (other.ok()) {
+        f = *other;
+      } else {
+        bad = other.status();
+      }
     }
-    if (!other.ok()) {
+    if (!bad.ok()) {
       stats_.protocol_errors.fetch_add(1);
       // Answer the call whose id the header carries (when it can be read and
       // is not a running call's), then the connection as a whole (id 0)
@@ -399,10 +404,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       uint64_t id = 0;
       auto peek = PeekHeader(m->data());
       if (peek.ok()) id = peek->call_id;
-      why =
-          absl::Status(other.status().code(),
-                       absl::StrCat("rpc server on ", conn.name(),
-                                    ": bad frame: ", other.status().message()));
+      why = absl::Status(bad.code(),
+                         absl::StrCat("rpc server on ", conn.name(),
+                                      ": bad frame: ", bad.message()));
       if (id != 0 && c->calls.Find(id) == nullptr) {
         (void)co_await Unstoppable(
             WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
