@@ -65,6 +65,13 @@ class PendingTable {
     }
   }
   size_t size() const { return size_; }
+  template <typename F>
+  void ForEach(F f) {
+    for (Slot& s : ring_) {
+      if (s.p != nullptr) f(s.p);
+    }
+    for (auto& [id, p] : overflow_) f(p);
+  }
   // Empties the table and returns what it held.
   std::vector<Pending*> TakeAll() {
     std::vector<Pending*> all;
@@ -139,15 +146,17 @@ struct ClientState {
     return last_method_id;
   }
   // Calls usually run under one token (their caller's, the same for all of
-  // them): those waiting under `watch_token` are listed here and share one
-  // stop callback instead of registering one each (a registration and its
-  // removal, under the token's lock, were ~100 Ir per call). The watch
+  // them): those waiting under `watch_token` are marked (Pending::watched),
+  // counted here, and share one stop callback instead of registering one
+  // each (a registration and its removal, under the token's lock, were
+  // ~100 Ir per call); when it fires the pending table is searched for the
+  // marked calls (a list of them cost ~12 Ir per call to keep). The watch
   // moves to another token when nobody waits under the current one; calls
   // under other tokens meanwhile register their own. Reactor thread only,
   // but for the callback (WatchFired).
   std::stop_token watch_token;
   std::optional<std::stop_callback<WatchFired>> watch_cb;
-  coverbs::internal::IntrusiveList<Pending> watched;
+  size_t watched = 0;
 
   void FailAll(const absl::Status& why);
   // Reactor thread: the watched token was stopped; cancels the calls
@@ -165,12 +174,12 @@ namespace {
 // Task around the send and the wait: the reader completes it on the same
 // thread, and a stop request (which may come from any thread) is handed to
 // the reactor by CancellableOp before the wait ends.
-struct Pending final : coverbs::internal::CancellableOp,
-                       coverbs::internal::ListNode<Pending> {
+struct Pending final : coverbs::internal::CancellableOp {
   ClientState* st;
   uint64_t id;
   bool registered = true;  // in st->pending
   bool waiting = false;    // the call is suspended on it
+  bool watched = false;    // waits under st->watch_token (counted there)
   std::optional<absl::StatusOr<Response>> result;
   std::optional<std::stop_callback<coverbs::internal::CancelCallback>> cb;
 
@@ -225,11 +234,11 @@ struct Pending final : coverbs::internal::CancellableOp,
     waiting = true;
     if (token.stop_possible()) {
       if (token == st->watch_token) {
-        st->watched.push_back(this);
-      } else if (st->watched.empty()) {
-        // Listed first: a callback that runs at once (the token stopped
+        Watch();
+      } else if (st->watched == 0) {
+        // Marked first: a callback that runs at once (the token stopped
         // meanwhile) finds this call.
-        st->watched.push_back(this);
+        Watch();
         st->watch_cb.reset();
         st->watch_token = token;
         st->watch_cb.emplace(token, internal::WatchFired{st});
@@ -243,8 +252,14 @@ struct Pending final : coverbs::internal::CancellableOp,
     cb.reset();
     Unwatch();
   }
+  void Watch() {
+    watched = true;
+    ++st->watched;
+  }
   void Unwatch() {
-    if (linked()) st->watched.erase(this);
+    if (!watched) return;
+    watched = false;
+    --st->watched;
   }
 
  private:
@@ -339,7 +354,12 @@ void ClientState::CancelWatched() {
   // stop before they wait). A cancel request goes through CancellableOp as
   // a call's own callback's would; a call that its response completed
   // meanwhile is left alone there.
-  while (Pending* p = watched.pop_front()) p->RequestCancel();
+  // (Collected first: a cancel takes the call out of the table.)
+  std::vector<Pending*> calls;
+  pending.ForEach([&calls](Pending* p) {
+    if (p->watched) calls.push_back(p);
+  });
+  for (Pending* p : calls) p->RequestCancel();
 }
 
 void ClientState::FailAll(const absl::Status& why) {
