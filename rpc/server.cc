@@ -375,6 +375,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                          conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   Frame f;  // (out of the loop: not built anew per message)
+  const cm::PeerInfo* const peer = &conn.peer();  // (a call per request)
   for (;;) {
     // Recv has no coroutine frame: a request already there is taken
     // without suspending.
@@ -385,35 +386,31 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }
     // A request or cancel inline; anything else through DecodeFrame, which
     // says what is wrong.
-    absl::Status bad;
     if (!DecodeUsualFrame(m->data(), Side::kServer, c->limits, f)) {
       absl::StatusOr<Frame> other =
           DecodeFrame(m->data(), Side::kServer, c->limits);
-      if (other.ok()) {
-        f = *other;
-      } else {
-        bad = other.status();
-      }
-    }
-    if (!bad.ok()) {
-      stats_.protocol_errors.fetch_add(1);
-      // Answer the call whose id the header carries (when it can be read and
-      // is not a running call's), then the connection as a whole (id 0)
-      // so every other pending call learns why; then close this connection
-      // only: it cannot be trusted to stay in sync.
-      uint64_t id = 0;
-      auto peek = PeekHeader(m->data());
-      if (peek.ok()) id = peek->call_id;
-      why = absl::Status(bad.code(),
-                         absl::StrCat("rpc server on ", conn.name(),
-                                      ": bad frame: ", bad.message()));
-      if (id != 0 && c->calls.Find(id) == nullptr) {
+      if (!other.ok()) {
+        stats_.protocol_errors.fetch_add(1);
+        // Answer the call whose id the header carries (when it can be read
+        // and is not a running call's), then the connection as a whole (id
+        // 0) so every other pending call learns why; then close this
+        // connection only: it cannot be trusted to stay in sync.
+        uint64_t id = 0;
+        auto peek = PeekHeader(m->data());
+        if (peek.ok()) id = peek->call_id;
+        why = absl::Status(
+            other.status().code(),
+            absl::StrCat("rpc server on ", conn.name(),
+                         ": bad frame: ", other.status().message()));
+        if (id != 0 && c->calls.Find(id) == nullptr) {
+          (void)co_await Unstoppable(
+              WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
+        }
         (void)co_await Unstoppable(
-            WithTimeout(SendError(c.get(), id, 0, why), absl::Seconds(2)));
+            WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
+        break;
       }
-      (void)co_await Unstoppable(
-          WithTimeout(SendError(c.get(), 0, 0, why), absl::Seconds(2)));
-      break;
+      f = *other;
     }
     const FrameHeader& h = f.header;
     if (h.type == FrameType::kCancel) {
@@ -488,9 +485,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     // waits for every call (c->live_calls) before it lets go. The call runs
     // now, until it first waits (CallCoro). The request is built as the
     // argument itself: one move (into the frame) less than from a local.
-    CallCoro call_coro = RunCall(c.get(), h.call_id, method,
-                                 Request{method->name, h.method_id, h.call_id,
-                                         &conn.peer(), take_payload()});
+    CallCoro call_coro = RunCall(
+        c.get(), h.call_id, method,
+        Request{method->name, h.method_id, h.call_id, peer, take_payload()});
     CallCoro::promise_type& pr = call_coro.h.promise();
     pr.set_stop_token(std::move(token));
     pr.conn = c.get();
