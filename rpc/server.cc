@@ -561,8 +561,13 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
       std::span<const std::byte> parts[2] = {hdr, data};
       // Failure means the connection is going down; its receive loop
       // reports that. Direct: a small response goes without a send
-      // coroutine of its own.
-      absl::Status sent = co_await c->conn->SendV(parts);
+      // coroutine of its own. Posted before the co_await (PostNow): one
+      // that went inline is complete, and the co_await does not suspend;
+      // awaited at once, such a send suspended and resumed this coroutine
+      // (~30 Ir per call).
+      cm::Connection::SendAwaiter send = c->conn->SendV(parts);
+      send.PostNow();
+      absl::Status sent = co_await send;
       if (sent.ok()) stats_.response_bytes.fetch_add(data.size());
     }
   } else {
