@@ -55,6 +55,21 @@ class CallTable {
     auto it = overflow_.find(id);
     return it == overflow_.end() ? nullptr : &it->second;
   }
+  // Removes id's call; true when it was running and stopped (one lookup
+  // for the Find and Remove of a call's end).
+  bool TakeStopped(uint64_t id) {
+    Slot& s = ring_[id & (kRing - 1)];
+    if (s.used && s.id == id) {
+      s.used = false;
+      return s.call.stop.stop_requested();
+    }
+    if (overflow_.empty()) return false;
+    auto it = overflow_.find(id);
+    if (it == overflow_.end()) return false;
+    const bool stopped = it->second.stop.stop_requested();
+    overflow_.erase(it);
+    return stopped;
+  }
   void Remove(uint64_t id) {
     Slot& s = ring_[id & (kRing - 1)];
     if (s.used && s.id == id) {
@@ -539,9 +554,7 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
   // test and destroy per call.
   absl::StatusOr<Payload> ran = co_await method->handler(std::move(req));
   c->running.Release();
-  Call* call = c->calls.Find(call_id);
-  const bool cancelled = call != nullptr && call->stop.stop_requested();
-  if (call != nullptr) c->calls.Remove(call_id);
+  const bool cancelled = c->calls.TakeStopped(call_id);
   if (cancelled) {
     // The caller gave up (cancel frame) or the server is shutting down:
     // nobody waits for this response.
