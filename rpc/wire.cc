@@ -1,8 +1,5 @@
 #include "rpc/wire.h"
 
-#include <bit>
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -10,37 +7,10 @@
 namespace coverbs::rpc {
 namespace {
 
-// Little-endian stores/loads: the wire is little endian whatever the host,
-// and the bytes need not be aligned. memcpy compiles to one move on a
-// little-endian host (byte loops did not: a header cost ~80 instructions
-// to encode and ~130 to read).
-template <typename T>
-T ToWire(T v) {
-  if constexpr (std::endian::native == std::endian::big) {
-    T r = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) {
-      r = static_cast<T>((r << 8) | ((v >> (8 * i)) & 0xff));
-    }
-    return r;
-  } else {
-    return v;
-  }
-}
-template <typename T>
-void Put(std::byte* p, T v) {
-  v = ToWire(v);
-  std::memcpy(p, &v, sizeof v);
-}
-template <typename T>
-T Get(const std::byte* p) {
-  return wire_internal::LoadLE<T>(p);
-}
-void Put16(std::byte* p, uint16_t v) { Put(p, v); }
-void Put32(std::byte* p, uint32_t v) { Put(p, v); }
-void Put64(std::byte* p, uint64_t v) { Put(p, v); }
-uint16_t Get16(const std::byte* p) { return Get<uint16_t>(p); }
-uint32_t Get32(const std::byte* p) { return Get<uint32_t>(p); }
-uint64_t Get64(const std::byte* p) { return Get<uint64_t>(p); }
+using wire_internal::LoadLE;
+uint16_t Get16(const std::byte* p) { return LoadLE<uint16_t>(p); }
+uint32_t Get32(const std::byte* p) { return LoadLE<uint32_t>(p); }
+uint64_t Get64(const std::byte* p) { return LoadLE<uint64_t>(p); }
 
 constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
 
@@ -69,36 +39,6 @@ uint32_t MethodId(std::string_view name) {
     h *= 16777619u;
   }
   return h == 0 ? 1 : h;
-}
-
-HeaderBytes EncodeHeader(const FrameHeader& h) {
-  HeaderBytes b{};
-  Put32(&b[0], kFrameMagic);
-  b[4] = static_cast<std::byte>(kWireVersion);
-  b[5] = static_cast<std::byte>(h.type);
-  Put16(&b[6], h.flags);
-  Put64(&b[8], h.call_id);
-  Put32(&b[16], h.method_id);
-  Put32(&b[20], h.status);
-  Put32(&b[24], h.payload_len);
-  Put32(&b[28], 0);
-  return b;
-}
-
-HeaderBytes RequestHeader(uint64_t call_id, uint32_t method_id,
-                          uint32_t payload_len) {
-  return EncodeHeader({FrameType::kRequest, 0, call_id, method_id, 0,
-                       payload_len});
-}
-
-HeaderBytes ResponseHeader(uint64_t call_id, uint32_t method_id,
-                           uint32_t payload_len) {
-  return EncodeHeader({FrameType::kResponse, 0, call_id, method_id, 0,
-                       payload_len});
-}
-
-HeaderBytes CancelHeader(uint64_t call_id, uint32_t method_id) {
-  return EncodeHeader({FrameType::kCancel, 0, call_id, method_id, 0, 0});
 }
 
 std::string EncodeError(uint64_t call_id, uint32_t method_id,

@@ -79,29 +79,11 @@ struct DecodeLimits {
 // refuses to register two names with the same id.
 uint32_t MethodId(std::string_view name);
 
-using HeaderBytes = std::array<std::byte, kHeaderSize>;
-// Encodes `h` (flags and reserved are written as 0 unless set in h.flags).
-HeaderBytes EncodeHeader(const FrameHeader& h);
-
-// Builders for the fixed-shape frames.
-HeaderBytes RequestHeader(uint64_t call_id, uint32_t method_id,
-                          uint32_t payload_len);
-HeaderBytes ResponseHeader(uint64_t call_id, uint32_t method_id,
-                           uint32_t payload_len);
-HeaderBytes CancelHeader(uint64_t call_id, uint32_t method_id);
-// A whole error frame (header + message, truncated to kMaxErrorMessage).
-// `status` must not be OK (an OK status is sent as UNKNOWN: a handler error
-// must never read as success).
-std::string EncodeError(uint64_t call_id, uint32_t method_id,
-                        const absl::Status& status);
-
-// The fields of a header without validating anything but its length; for
-// answering a frame that failed validation with the call id it carried.
-// Fails if `data` is shorter than a header or the magic is wrong.
-absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data);
-
 namespace wire_internal {
-// A little-endian field at any alignment (memcpy: one load on x86).
+// Little-endian fields at any alignment: the wire is little endian
+// whatever the host. memcpy compiles to one move on a little-endian host
+// (byte loops did not: a header cost ~80 instructions to encode and ~130
+// to read).
 template <typename T>
 T LoadLE(const std::byte* p) {
   T v;
@@ -115,7 +97,62 @@ T LoadLE(const std::byte* p) {
   }
   return v;
 }
+template <typename T>
+void StoreLE(std::byte* p, T v) {
+  if constexpr (std::endian::native == std::endian::big) {
+    T r = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) {
+      r = static_cast<T>((r << 8) | ((v >> (8 * i)) & 0xff));
+    }
+    v = r;
+  }
+  std::memcpy(p, &v, sizeof v);
+}
 }  // namespace wire_internal
+
+using HeaderBytes = std::array<std::byte, kHeaderSize>;
+// Encodes `h` (flags and reserved are written as 0 unless set in h.flags).
+// Inline, as the builders below: a request and a response per call, each
+// a call of its own otherwise.
+inline HeaderBytes EncodeHeader(const FrameHeader& h) {
+  using wire_internal::StoreLE;
+  HeaderBytes b;
+  StoreLE<uint32_t>(&b[0], kFrameMagic);
+  b[4] = static_cast<std::byte>(kWireVersion);
+  b[5] = static_cast<std::byte>(h.type);
+  StoreLE<uint16_t>(&b[6], h.flags);
+  StoreLE<uint64_t>(&b[8], h.call_id);
+  StoreLE<uint32_t>(&b[16], h.method_id);
+  StoreLE<uint32_t>(&b[20], h.status);
+  StoreLE<uint32_t>(&b[24], h.payload_len);
+  StoreLE<uint32_t>(&b[28], 0);
+  return b;
+}
+
+// Builders for the fixed-shape frames.
+inline HeaderBytes RequestHeader(uint64_t call_id, uint32_t method_id,
+                                 uint32_t payload_len) {
+  return EncodeHeader(
+      {FrameType::kRequest, 0, call_id, method_id, 0, payload_len});
+}
+inline HeaderBytes ResponseHeader(uint64_t call_id, uint32_t method_id,
+                                  uint32_t payload_len) {
+  return EncodeHeader(
+      {FrameType::kResponse, 0, call_id, method_id, 0, payload_len});
+}
+inline HeaderBytes CancelHeader(uint64_t call_id, uint32_t method_id) {
+  return EncodeHeader({FrameType::kCancel, 0, call_id, method_id, 0, 0});
+}
+// A whole error frame (header + message, truncated to kMaxErrorMessage).
+// `status` must not be OK (an OK status is sent as UNKNOWN: a handler error
+// must never read as success).
+std::string EncodeError(uint64_t call_id, uint32_t method_id,
+                        const absl::Status& status);
+
+// The fields of a header without validating anything but its length; for
+// answering a frame that failed validation with the call id it carried.
+// Fails if `data` is shorter than a header or the magic is wrong.
+absl::StatusOr<FrameHeader> PeekHeader(std::span<const std::byte> data);
 
 // DecodeFrame's first step, inline: the frames every call brings (a
 // request or a cancel on the server, a response on the client) are read
