@@ -130,7 +130,9 @@ struct ClientState {
   WaitGroup cancels;
   DecodeLimits limits;
   size_t eager_max = 0;  // responses up to this size sit in a receive buffer
-  // Largest request payload: the peer's max_message_size less the header.
+  // Largest request payload: the peer's max_message_size less the header,
+  // and at most what payload_len (32 bits) can say -- one comparison per
+  // call.
   uint64_t request_limit = 0;
   bool closing = false;
   Client::Stats stats;
@@ -379,7 +381,8 @@ std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
   st->limits.max_payload = std::min<uint64_t>(
       options.max_response_size, mine > kHeaderSize ? mine - kHeaderSize : 0);
   uint64_t peer_max = conn->peer().handshake.max_message_size;
-  st->request_limit = peer_max > kHeaderSize ? peer_max - kHeaderSize : 0;
+  st->request_limit = std::min<uint64_t>(
+      peer_max > kHeaderSize ? peer_max - kHeaderSize : 0, 0xffffffffull);
   st->status = conn->status();
   st->conn = std::move(conn);
   st->reactor->Spawn(Reader(st), st->reader_stop.get_token());
@@ -472,8 +475,7 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
                                          std::span<const std::byte> payload) {
   const uint32_t method_id = st->IdOf(method);
   // CheckCall's conditions first, without a call and a Status per call.
-  if (!st->status.ok() || payload.size() > st->request_limit ||
-      payload.size() > 0xffffffffull) {
+  if (!st->status.ok() || payload.size() > st->request_limit) {
     co_return CheckCall(*st, AsAbsl(method), payload.size());
   }
   const uint64_t id = st->next_id++;
