@@ -234,10 +234,13 @@ struct Pending final : coverbs::internal::CancellableOp {
     if (token.stop_requested()) return false;
     waiter_ = h;
     waiting = true;
-    if (token.stop_possible()) {
-      if (token == st->watch_token) {
-        Watch();
-      } else if (st->watched == 0) {
+    // The watched token first (the usual case, one comparison): it is set
+    // only with its callback, and an empty token (no stop possible) equal
+    // to an empty watch has nothing to watch.
+    if (token == st->watch_token) {
+      if (st->watch_cb.has_value()) Watch();
+    } else if (token.stop_possible()) {
+      if (st->watched == 0) {
         // Marked first: a callback that runs at once (the token stopped
         // meanwhile) finds this call.
         Watch();
