@@ -473,9 +473,6 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
               h.method_id)));
       continue;
     }
-    // The handler's token, taken before the await below (other calls may
-    // end meanwhile and erase their entries).
-    std::stop_token token = call->stop.get_token();
     // A free slot is taken without an awaiter (built and torn down per
     // request otherwise).
     if (!c->admission.TryAcquire()) {
@@ -506,7 +503,11 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
         c.get(), h.call_id, method,
         Request{method->name, h.method_id, h.call_id, peer, take_payload()});
     CallCoro::promise_type& pr = call_coro.h.promise();
-    pr.set_stop_token(std::move(token));
+    // The handler's token. `call` is still this call's record after the
+    // admission wait: records stay put (a ring slot, or a node of the
+    // node-based overflow map) while other calls come and go, and only
+    // this loop adds or removes this id.
+    pr.set_stop_token(call->stop.get_token());
     pr.conn = c.get();
     c->live_calls.push_back(&pr);
     if (large) {
