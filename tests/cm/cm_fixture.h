@@ -103,6 +103,14 @@ class CmTest : public ::testing::TestWithParam<std::string> {
   Task<absl::StatusOr<Pair>> MakePair(ConnectOptions co) {
     return MakePair(std::move(co), {});
   }
+  // Both ends with the same connection options.
+  Task<absl::StatusOr<Pair>> MakePairWith(ConnectionOptions both) {
+    ConnectOptions co;
+    co.connection = both;
+    ListenerOptions lo;
+    lo.connection = std::move(both);
+    return MakePair(std::move(co), std::move(lo));
+  }
   Task<absl::StatusOr<Pair>> MakePair(ConnectOptions co, ListenerOptions lo) {
     Pair p;
     auto ln = Listener::Create(*server_ctx_, addr_, 0, lo);

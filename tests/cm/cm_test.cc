@@ -506,13 +506,10 @@ TEST_P(CmTest, OrderingAcrossSmallAndLarge) {
 TEST_P(CmTest, SenderFarAheadOfSlowReceiverNeverCausesRnr) {
   Run(
       [](CmTest* t) -> Task<void> {
-        ConnectOptions co;
-        co.connection.recv_credits = 16;
-        co.connection.qp.rnr_retry = 0;  // any RNR fails the connection
-        ListenerOptions lo;
-        lo.connection.recv_credits = 16;
-        lo.connection.qp.rnr_retry = 0;
-        auto p = co_await t->MakePair(co, lo);
+        ConnectionOptions o;
+        o.recv_credits = 16;
+        o.qp.rnr_retry = 0;  // any RNR fails the connection
+        auto p = co_await t->MakePairWith(o);
         CO_ASSERT_OK(p);
         int failures = 0;
         co_await t->SendAhead(p->client.get(), p->server.get(), 1000, 50, 5,

@@ -77,11 +77,9 @@ TEST_P(DirectTest, DirectSendsKeepOrderWithOtherSends) {
 // receiver returns credits, and then arrives after the sends before it.
 TEST_P(DirectTest, DirectSendWaitsForACredit) {
   Run([](CmTest* t) -> Task<void> {
-    ConnectOptions co;
-    co.connection.recv_credits = 4;
-    ListenerOptions lo;
-    lo.connection.recv_credits = 4;
-    auto p = co_await t->MakePair(co, lo);
+    ConnectionOptions o;
+    o.recv_credits = 4;
+    auto p = co_await t->MakePairWith(o);
     CO_ASSERT_OK(p);
     constexpr int kMsgs = 32;
     std::vector<std::vector<std::byte>> msgs;
@@ -136,11 +134,9 @@ TEST_P(DirectTest, DirectSendAfterCloseFails) {
 // (the slow path): every message arrives once, in Send order, intact.
 TEST_P(DirectTest, RegisteredSendsKeepOrder) {
   Run([](CmTest* t) -> Task<void> {
-    ConnectOptions co;
-    co.connection.recv_credits = 4;
-    ListenerOptions lo;
-    lo.connection.recv_credits = 4;
-    auto p = co_await t->MakePair(co, lo);
+    ConnectionOptions o;
+    o.recv_credits = 4;
+    auto p = co_await t->MakePairWith(o);
     CO_ASSERT_OK(p);
     constexpr int kMsgs = 48;
     std::vector<std::vector<std::byte>> msgs;
@@ -272,13 +268,10 @@ TEST_P(DirectTest, RecvCompletesAtOnceOrWaits) {
 TEST_P(DirectTest, HoldingMostOfTheWindowNeverStalls) {
   Run([](CmTest* t) -> Task<void> {
     constexpr uint32_t kCredits = 64;
-    ConnectOptions co;
-    co.connection.recv_credits = kCredits;
-    co.connection.qp.rnr_retry = 0;
-    ListenerOptions lo;
-    lo.connection.recv_credits = kCredits;
-    lo.connection.qp.rnr_retry = 0;
-    auto p = co_await t->MakePair(co, lo);
+    ConnectionOptions o;
+    o.recv_credits = kCredits;
+    o.qp.rnr_retry = 0;
+    auto p = co_await t->MakePairWith(o);
     CO_ASSERT_OK(p);
     constexpr int kMsgs = 400;
     WaitGroup wg;
