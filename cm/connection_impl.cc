@@ -114,17 +114,16 @@ absl::Status ConnectionImpl::Init() {
   slot_size_ = ring->slot_size;
   initial_credits_ = options_.recv_credits;
   outstanding_ = initial_credits_;
-  // An eighth of the ring per post call: with the return threshold (a
-  // quarter) at most ~3/8 of the credits sit released and unannounced,
-  // under half, as before batching.
+  // An eighth of the ring per post call (ReturnSlot posts sooner when the
+  // gathered credits would become due, so batching holds back no more
+  // than the return threshold did before).
   refill_batch_ =
       std::clamp<uint32_t>(options_.recv_credits / 8, 1, kMaxRefill);
   for (uint32_t i = 0; i < ring_slots_; ++i) {
     RecvSlot& s = ring->slots[i];
     s.ring = ring;
     s.data = ring->mem + i * ring->slot_size;
-    LocalBuffer b{s.data, static_cast<uint32_t>(ring->slot_size),
-                  ring->mr.lkey()};
+    LocalBuffer b = ring->Buffer(s);
     absl::Status st = qp_->PostRecv(&s, std::span<const LocalBuffer>(&b, 1));
     if (!st.ok()) {
       return absl::Status(

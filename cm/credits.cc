@@ -143,8 +143,7 @@ bool ConnectionImpl::Spent(bool low) {
     if (pool_->Post(slot)) return true;
     s = absl::UnavailableError("the shared receive queue refused it");
   } else {
-    LocalBuffer b{slot->data, static_cast<uint32_t>(ring_->slot_size),
-                  ring_->mr.lkey()};
+    LocalBuffer b = ring_->Buffer(*slot);
     s = qp_->PostRecv(slot, std::span<const LocalBuffer>(&b, 1));
   }
   if (!s.ok()) {
@@ -167,8 +166,7 @@ void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
     ReplenishBody();
   } else {
     refill_[refill_n_] = slot;
-    refill_bufs_[refill_n_++] = {
-        slot->data, static_cast<uint32_t>(ring_->slot_size), ring_->mr.lkey()};
+    refill_bufs_[refill_n_++] = ring_->Buffer(*slot);
     // Posted now when the batch is full, or when these credits make the
     // owed ones due (once they are due, a credit message is on its way).
     const uint32_t due = ReturnThresholdBody();

@@ -60,6 +60,10 @@ struct RecvRing {
   std::vector<RecvSlot> slots;
   uint32_t held = 0;  // slots owned by Messages
 
+  // What a receive into `s` (one of `slots`) posts.
+  LocalBuffer Buffer(const RecvSlot& s) const {
+    return {s.data, static_cast<uint32_t>(slot_size), mr.lkey()};
+  }
   ~RecvRing() {
     mr.Deregister();
     std::free(mem);
