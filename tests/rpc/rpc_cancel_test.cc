@@ -47,12 +47,7 @@ TEST_P(RpcTest, AWaitingHandlerDoesNotHoldUpTheConnection) {
     Event done;
     CallOptions o;
     o.cancel = cancel.get_token();
-    Reactor::Current()->Spawn([](Client* c, CallOptions o,
-                                 absl::StatusOr<Response>* out,
-                                 Event* done) -> Task<void> {
-      *out = co_await c->Call("Slow", {}, o);
-      done->Set();
-    }(*c, o, &slow, &done));
+    SpawnCall((*c)->Call("Slow", {}, o), &slow, &done);
     Observed* obs = &t->obs_;
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
     // Calls behind the waiting one are served meanwhile.
@@ -123,12 +118,7 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
     Event done;
     CallOptions o;
     o.cancel = cancel.get_token();
-    Reactor::Current()->Spawn([](Client* c, CallOptions o,
-                                 absl::StatusOr<Response>* out,
-                                 Event* done) -> Task<void> {
-      *out = co_await c->Call("Slow", {}, o);
-      done->Set();
-    }(*c, o, &result, &done));
+    SpawnCall((*c)->Call("Slow", {}, o), &result, &done);
     Observed* obs = &t->obs_;
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
     cancel.request_stop();
@@ -141,12 +131,7 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
     Task<absl::StatusOr<Response>> call = (*c)->Call("Slow", {});
     std::stop_source ambient;
     call.SetStopToken(ambient.get_token());
-    Reactor::Current()->Spawn([](Task<absl::StatusOr<Response>> call,
-                                 absl::StatusOr<Response>* out,
-                                 Event* done) -> Task<void> {
-      *out = co_await std::move(call);
-      done->Set();
-    }(std::move(call), &result, &done));
+    SpawnCall(std::move(call), &result, &done);
     done.Reset();
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 2; }));
     ambient.request_stop();
@@ -162,12 +147,7 @@ TEST_P(RpcTest, CancellationStopsTheCall) {
     Task<absl::StatusOr<Response>> call2 = (*c)->Call("Slow", {}, o2);
     std::stop_source ambient2;
     call2.SetStopToken(ambient2.get_token());
-    Reactor::Current()->Spawn([](Task<absl::StatusOr<Response>> call,
-                                 absl::StatusOr<Response>* out,
-                                 Event* done) -> Task<void> {
-      *out = co_await std::move(call);
-      done->Set();
-    }(std::move(call2), &result, &done));
+    SpawnCall(std::move(call2), &result, &done);
     done.Reset();
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 3; }));
     cancel2.request_stop();
@@ -237,13 +217,7 @@ TEST_P(RpcTest, CloseRightAfterACancelWaitsForTheCancelFrame) {
     std::stop_source stop;
     absl::StatusOr<Response> slow = absl::UnknownError("pending");
     Event done;
-    Reactor::Current()->Spawn(
-        [](Client* c, absl::StatusOr<Response>* out,
-           Event* done) -> Task<void> {
-          *out = co_await c->Call("Slow", {});
-          done->Set();
-        }(client, &slow, &done),
-        stop.get_token());
+    SpawnCall(client->Call("Slow", {}), &slow, &done, stop.get_token());
     Observed* obs = &t->obs_;
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
     stop.request_stop();

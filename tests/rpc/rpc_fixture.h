@@ -14,6 +14,7 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -222,6 +223,20 @@ class RpcTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Server> server_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
+
+// Runs `call` in the background (under `stop`, if given): its result goes
+// to *out, then `done` is set.
+inline void SpawnCall(Task<absl::StatusOr<Response>> call,
+                      absl::StatusOr<Response>* out, Event* done,
+                      std::stop_token stop = {}) {
+  Reactor::Current()->Spawn(
+      [](Task<absl::StatusOr<Response>> call, absl::StatusOr<Response>* out,
+         Event* done) -> Task<void> {
+        *out = co_await std::move(call);
+        done->Set();
+      }(std::move(call), out, done),
+      std::move(stop));
+}
 
 // Waits (bounded) until `pred` holds.
 template <typename F>

@@ -233,13 +233,7 @@ TEST_P(RpcTest, MoreCallsInFlightThanThePendingRing) {
     std::stop_source stop;
     absl::StatusOr<Response> slow = absl::UnknownError("pending");
     Event slow_done;
-    Reactor::Current()->Spawn(
-        [](Client* c, absl::StatusOr<Response>* out,
-           Event* done) -> Task<void> {
-          *out = co_await c->Call("Slow", {});
-          done->Set();
-        }(client, &slow, &slow_done),
-        stop.get_token());
+    SpawnCall(client->Call("Slow", {}), &slow, &slow_done, stop.get_token());
     Observed* obs = &t->obs_;
     EXPECT_TRUE(co_await Eventually([obs] { return obs->slow_started == 1; }));
     for (int i = 0; i < 300; ++i) {
