@@ -23,11 +23,9 @@ uint32_t Mix(uint32_t x) {
   return x;
 }
 
-constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE |
-                                 IBV_ACCESS_REMOTE_WRITE |
-                                 IBV_ACCESS_REMOTE_READ |
-                                 IBV_ACCESS_REMOTE_ATOMIC |
-                                 IBV_ACCESS_RELAXED_ORDERING;
+constexpr int kSupportedAccess =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_RELAXED_ORDERING;
 
 // Odd while the progress thread is inside its access window.
 std::atomic<uint64_t> g_epoch{0};
@@ -37,7 +35,9 @@ std::atomic<int> g_shared{0};  // open shared (inline transmit) windows
 }  // namespace
 
 const std::shared_ptr<MrEntry>* MrKeyTable::Find(uint32_t key) const {
-  if (slots_.empty()) return nullptr;
+  // 0 marks an empty slot and is never handed out: a peer naming key 0 must
+  // not match the first empty slot (whose entry is null).
+  if (key == 0 || slots_.empty()) return nullptr;
   for (size_t i = key & Mask();; i = (i + 1) & Mask()) {
     const Slot& s = slots_[i];
     if (s.key == key) return &s.e;
@@ -90,8 +90,9 @@ MrTable& MrTable::Get() {
 
 MrTable::MrTable() {
   std::random_device rd;
-  counter_ = rd() ^ static_cast<uint32_t>(
-                        std::chrono::steady_clock::now().time_since_epoch().count());
+  counter_ =
+      rd() ^ static_cast<uint32_t>(
+                 std::chrono::steady_clock::now().time_since_epoch().count());
   first_counter_ = counter_;
 }
 
@@ -117,9 +118,9 @@ absl::StatusOr<std::shared_ptr<MrEntry>> MrTable::Register(uint64_t pd_id,
         "soft: register memory %p+%u: empty region", addr, length));
   }
   if ((access & ~kSupportedAccess) != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "soft: register memory: unsupported access flags 0x%x",
-        access & ~kSupportedAccess));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("soft: register memory: unsupported access flags 0x%x",
+                        access & ~kSupportedAccess));
   }
   if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0 &&
       (access & IBV_ACCESS_LOCAL_WRITE) == 0) {

@@ -91,6 +91,7 @@ class MrPin {
 // and a few dozen this way. Not thread-safe (MrTable locks it).
 class MrKeyTable {
  public:
+  // nullptr when absent; key 0 (the empty-slot marker) is always absent.
   const std::shared_ptr<MrEntry>* Find(uint32_t key) const;
   // `key` != 0, not present.
   void Insert(uint32_t key, std::shared_ptr<MrEntry> e);
@@ -140,9 +141,9 @@ class MrTable {
   // std (pthread) locks rather than absl::Mutex: the system's prebuilt absl is
   // not instrumented for ThreadSanitizer.
   std::shared_mutex mu_;
-  MrKeyTable lkeys_;  // mu_
-  MrKeyTable rkeys_;  // mu_
-  uint32_t counter_;  // mu_
+  MrKeyTable lkeys_;        // mu_
+  MrKeyTable rkeys_;        // mu_
+  uint32_t counter_;        // mu_
   uint32_t first_counter_;  // counter_ at start
   bool wrapped_ = false;    // mu_; counter_ came round to first_counter_
 };

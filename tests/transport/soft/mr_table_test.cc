@@ -218,6 +218,22 @@ TEST(MrKeyTableTest, AgreesWithAMap) {
   }
 }
 
+// Key 0 marks an empty slot: asking for it must find nothing, whether the
+// table is empty, holds entries, or had entries erased (a peer's WRITE
+// naming rkey 0 once crashed the target on the null entry of an empty slot).
+TEST(MrKeyTableTest, KeyZeroIsNeverFound) {
+  MrKeyTable t;
+  EXPECT_EQ(t.Find(0), nullptr);
+  for (uint32_t k = 1; k <= 40; ++k)
+    t.Insert(k * 0x9e3779b1u, std::make_shared<MrEntry>());
+  EXPECT_EQ(t.Find(0), nullptr);
+  for (uint32_t k = 1; k <= 40; k += 2) t.Erase(k * 0x9e3779b1u);
+  EXPECT_EQ(t.Find(0), nullptr);
+  MrTable::Reader r(MrTable::Get());
+  EXPECT_EQ(r.FindRkey(0), nullptr);
+  EXPECT_EQ(r.FindLkey(0), nullptr);
+}
+
 // Keys of a deregistered region are gone at once.
 TEST_F(MrTableTest, KeysLeaveTheTable) {
   auto e = Register();
