@@ -6,6 +6,9 @@
 #   tools/install-deps.sh --vm     also the VM harness (qemu, kernel, rdma-core
 #                                  tools, perftest) used by tests/vm and bench
 #   tools/install-deps.sh --tools  also valgrind (callgrind instruction counts)
+#                                  and ucx-utils (ucx_perftest: UCX's tcp
+#                                  transport as the latency reference in
+#                                  bench/compare_ucx.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +32,11 @@ for arg in "$@"; do
         PKGS+=("$p")
       done < tests/vm/packages.txt
       ;;
-    --tools) PKGS+=(valgrind) ;;
+    # valgrind: callgrind counts instructions per op (bench/callgrind_cost.sh).
+    # ucx-utils: ucx_perftest, UCX's own benchmark, which bench/compare_ucx.sh
+    # runs over UCX's tcp transport as the field's reference for latency and
+    # message rate on the same loopback as the soft provider.
+    --tools) PKGS+=(valgrind ucx-utils) ;;
     *) echo "usage: $0 [--vm] [--tools]" >&2; exit 2 ;;
   esac
 done
