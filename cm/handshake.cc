@@ -1,5 +1,6 @@
 #include "cm/handshake.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/status/status.h"
@@ -78,21 +79,34 @@ absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> d) {
   h.recv_buffer_size = Get<uint32_t>(d, 16);
   h.max_credits = Get<uint32_t>(d, 20);
   h.max_message_size = Get<uint64_t>(d, 24);
-  if (h.credits == 0 || h.credits > 16384) {
+  if (h.credits == 0 || h.credits > kMaxHandshakeCredits) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("handshake: %d receive credits", h.credits));
+        absl::StrFormat("handshake: %d receive credits, outside [1, %d]",
+                        h.credits, kMaxHandshakeCredits));
   }
-  if (h.max_credits < h.credits || h.max_credits > 16384) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("handshake: at most %d credits, but %d granted",
-                        h.max_credits, h.credits));
+  if (h.max_credits < h.credits || h.max_credits > kMaxHandshakeCredits) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "handshake: at most %d credits, but %d granted (max_credits must be "
+        "in [credits, %d])",
+        h.max_credits, h.credits, kMaxHandshakeCredits));
   }
   if (h.recv_buffer_size <= internal::kHeaderSize) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "handshake: receive buffers of %d bytes", h.recv_buffer_size));
+        "handshake: receive buffers of %d bytes do not hold the %d-byte "
+        "message header",
+        h.recv_buffer_size, internal::kHeaderSize));
   }
-  if (h.max_message_size == 0) {
-    return absl::InvalidArgumentError("handshake: max message size 0");
+  h.recv_buffer_size = std::min(h.recv_buffer_size, kMaxUsedRecvBufferSize);
+  if (h.max_message_size == 0 ||
+      h.max_message_size > kMaxHandshakeMessageSize) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("handshake: max message size %d, outside [1, %d]",
+                        h.max_message_size, kMaxHandshakeMessageSize));
+  }
+  if ((h.caps & ~kKnownCaps) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("handshake: unknown capability bits 0x%x (known: 0x%x)",
+                        h.caps & ~kKnownCaps, kKnownCaps));
   }
   h.app_data.assign(reinterpret_cast<const char*>(d.data()) + kHandshakeSize,
                     app_len);

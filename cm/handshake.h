@@ -52,6 +52,22 @@ enum Capability : uint32_t {
   kCapWriteWithImm = 1u << 0,  // the sender may complete rendezvous by imm
   kCapAtomics = 1u << 1,
 };
+// Every bit above. Peers speak the same protocol version, so a bit outside
+// it is not a newer feature but garbage: refused.
+inline constexpr uint32_t kKnownCaps = kCapWriteWithImm | kCapAtomics;
+
+// Bounds on what a peer may announce (DecodeHandshake). Nothing a peer
+// announces sizes an allocation here; the bounds are those of a correctly
+// configured coverbs peer, so that garbage is refused by name.
+// credits and max_credits: ConnectionOptions::recv_credits is at most this.
+inline constexpr uint32_t kMaxHandshakeCredits = 16384;
+// recv_buffer_size is clamped to this: our eager messages are at most
+// rendezvous_threshold (<= 1 MiB) plus the 16-byte header, so a larger
+// receive buffer is never used (an SRQ peer may announce one).
+inline constexpr uint32_t kMaxUsedRecvBufferSize = (1u << 20) + 64;
+// max_message_size: a message length travels in 32 bits (cm/wire.h), and
+// ConnectionOptions::max_message_size is at most this.
+inline constexpr uint64_t kMaxHandshakeMessageSize = 0xffffffffull;
 
 struct Handshake {
   uint16_t version = kProtocolVersion;
@@ -67,8 +83,12 @@ struct Handshake {
 absl::StatusOr<std::string> EncodeHandshake(const Handshake& h);
 // Validates every field: short/garbage data and a bad magic give
 // InvalidArgument; another protocol version gives FailedPrecondition naming
-// both versions; zero credits, max_credits below credits or a receive
-// buffer smaller than a message header give InvalidArgument.
+// both versions. InvalidArgument, naming the value and its bound, for:
+// credits outside [1, kMaxHandshakeCredits], max_credits outside [credits,
+// kMaxHandshakeCredits], a receive buffer that does not hold a message
+// header, max_message_size outside [1, kMaxHandshakeMessageSize], caps bits
+// outside kKnownCaps. recv_buffer_size above kMaxUsedRecvBufferSize is
+// clamped to it.
 absl::StatusOr<Handshake> DecodeHandshake(std::span<const std::byte> data);
 
 }  // namespace coverbs::cm

@@ -1,17 +1,19 @@
 #include "examples/common.h"
 
-
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <future>
+#include <string_view>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -82,11 +84,63 @@ void ParseFlagsOrExit(int argc, char** argv) {
 bool CheckAddressFlag(const char* program, const char* flag,
                       const std::string& value) {
   if (!value.empty()) return true;
-  std::fprintf(stderr,
-               "%s: --%s is empty; give an address (0.0.0.0 to listen on every "
-               "interface)\n",
-               program, flag);
+  if (std::string_view(flag) == "address") {
+    std::fprintf(stderr,
+                 "%s: --%s is empty; give an address to listen on (0.0.0.0 "
+                 "for every interface)\n",
+                 program, flag);
+  } else {
+    std::fprintf(stderr,
+                 "%s: --%s is empty; give the server's address (e.g. "
+                 "127.0.0.1)\n",
+                 program, flag);
+  }
   return false;
+}
+
+bool CheckIntFlag(const char* program, const char* flag, int64_t value,
+                  int64_t lo, int64_t hi, const char* unit) {
+  if (value >= lo && value <= hi) return true;
+  std::fprintf(
+      stderr, "%s: --%s=%lld is out of range: it must be in [%lld, %lld]%s%s\n",
+      program, flag, static_cast<long long>(value), static_cast<long long>(lo),
+      static_cast<long long>(hi), *unit != '\0' ? " " : "", unit);
+  return false;
+}
+
+bool CheckDurationFlag(const char* program, const char* flag,
+                       absl::Duration value, absl::Duration lo,
+                       absl::Duration hi, bool infinite_ok) {
+  if (infinite_ok && value == absl::InfiniteDuration()) return true;
+  if (value >= lo && value <= hi) return true;
+  std::fprintf(
+      stderr, "%s: --%s=%s is out of range: it must be in [%s, %s]%s\n",
+      program, flag, absl::FormatDuration(value).c_str(),
+      absl::FormatDuration(lo).c_str(), absl::FormatDuration(hi).c_str(),
+      infinite_ok ? " or inf (forever)" : "");
+  return false;
+}
+
+bool CheckOutputFileFlag(const char* program, const char* flag,
+                         const std::string& path) {
+  if (path.empty()) return true;
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos
+                              ? "."
+                              : (slash == 0 ? "/" : path.substr(0, slash));
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    std::fprintf(stderr, "%s: --%s=%s: directory '%s' does not exist\n",
+                 program, flag, path.c_str(), dir.c_str());
+    return false;
+  }
+  if (access(dir.c_str(), W_OK) != 0) {
+    std::fprintf(stderr, "%s: --%s=%s: directory '%s' is not writable: %s\n",
+                 program, flag, path.c_str(), dir.c_str(),
+                 std::strerror(errno));
+    return false;
+  }
+  return true;
 }
 
 bool CheckProviderFlag(const char* program, const std::string& value) {

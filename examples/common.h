@@ -32,9 +32,26 @@ void ParseFlagsOrExit(int argc, char** argv);
 void ApplyLandingFlags(cm::ConnectionOptions& o);
 
 // The --address/--server value, refused when empty: listening on every
-// interface must be asked for explicitly with 0.0.0.0.
+// interface must be asked for explicitly with 0.0.0.0. The message is a
+// server's for --address and a client's for any other flag (--server).
 bool CheckAddressFlag(const char* program, const char* flag,
                       const std::string& value);
+
+// Range checks for the examples' numeric flags: false after printing
+// "<program>: --<flag>=<value> is out of range: it must be in [lo, hi]"
+// (with `unit` after the bounds, e.g. "MiB"), so that the caller exits 2.
+bool CheckIntFlag(const char* program, const char* flag, int64_t value,
+                  int64_t lo, int64_t hi, const char* unit = "");
+// Likewise for a duration in [lo, hi]; `infinite_ok` also accepts "inf"
+// (the flag's "forever").
+bool CheckDurationFlag(const char* program, const char* flag,
+                       absl::Duration value, absl::Duration lo,
+                       absl::Duration hi, bool infinite_ok = false);
+// A file the program will write (--port_file): its directory must exist
+// and be writable, checked before anything starts; false after printing
+// why.
+bool CheckOutputFileFlag(const char* program, const char* flag,
+                         const std::string& path);
 
 // The --provider value, refused with a message when it names no provider
 // (checked with the other flags, so that it exits 2 like them).

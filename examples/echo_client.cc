@@ -181,13 +181,26 @@ int RunMain() {
   }
   if (sizes.empty()) sizes.push_back(absl::GetFlag(FLAGS_size));
   const int64_t calls = absl::GetFlag(FLAGS_calls);
-  bool sizes_ok = true;
-  for (int64_t n : sizes) sizes_ok = sizes_ok && n >= 0 && n <= (64ll << 20) - 32;
-  if (calls < 0 || !sizes_ok || absl::GetFlag(FLAGS_concurrency) < 1 ||
-      absl::GetFlag(FLAGS_connections) < 1) {
-    std::fprintf(stderr,
-                 "echo_client: need --calls >= 0, 0 <= size <= 64 MiB - 32, "
-                 "--concurrency >= 1, --connections >= 1\n");
+  // Every numeric flag has a stated range; a value outside it exits 2
+  // naming the flag and the range.
+  constexpr const char* kP = "echo_client";
+  for (int64_t n : sizes) {
+    if (!CheckIntFlag(kP, absl::GetFlag(FLAGS_sizes).empty() ? "size" : "sizes",
+                      n, 0, (64ll << 20) - 32, "bytes (64 MiB - 32)")) {
+      return 2;
+    }
+  }
+  if (!CheckIntFlag(kP, "calls", calls, 0, int64_t{1} << 40) ||
+      !CheckIntFlag(kP, "concurrency", absl::GetFlag(FLAGS_concurrency), 1,
+                    1 << 20) ||
+      !CheckIntFlag(kP, "connections", absl::GetFlag(FLAGS_connections), 1,
+                    65536) ||
+      !CheckIntFlag(kP, "max_memory_mb", absl::GetFlag(FLAGS_max_memory_mb), 1,
+                    1 << 30, "MiB") ||
+      !CheckDurationFlag(kP, "deadline", absl::GetFlag(FLAGS_deadline),
+                         absl::Milliseconds(1), absl::Hours(24)) ||
+      !CheckDurationFlag(kP, "hold", absl::GetFlag(FLAGS_hold),
+                         absl::ZeroDuration(), absl::Hours(24 * 365))) {
     return 2;
   }
   // Each caller holds a request buffer and, while it checks it, the

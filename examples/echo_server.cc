@@ -7,8 +7,10 @@
 // Runs until SIGINT/SIGTERM (or --run_for), then shuts down gracefully and
 // prints what it served. See examples/README.md.
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -120,37 +122,53 @@ int Run() {
     std::fprintf(stderr, "echo_server: --poll: %s\n", poll.status().ToString().c_str());
     return 2;
   }
-  if (absl::GetFlag(FLAGS_threads) < 1) {
-    std::fprintf(stderr, "echo_server: --threads must be at least 1\n");
+  // Every numeric flag has a stated range; a value outside it exits 2
+  // naming the flag and the range.
+  constexpr const char* kP = "echo_server";
+  const absl::Duration forever = absl::Hours(24 * 365 * 100);
+  const int eager = absl::GetFlag(FLAGS_eager_size);
+  const int srq_buffer = absl::GetFlag(FLAGS_srq_buffer_size);
+  if (!CheckIntFlag(kP, "threads", absl::GetFlag(FLAGS_threads), 1, 1024) ||
+      !CheckIntFlag(kP, "max_concurrent_calls",
+                    absl::GetFlag(FLAGS_max_concurrent_calls), 1, 1 << 20) ||
+      !CheckIntFlag(kP, "max_pending_handshakes",
+                    absl::GetFlag(FLAGS_max_pending_handshakes), 1, 1 << 20) ||
+      !CheckIntFlag(kP, "srq_depth", absl::GetFlag(FLAGS_srq_depth), 0,
+                    1 << 20) ||
+      !CheckIntFlag(kP, "cq_entries", absl::GetFlag(FLAGS_cq_entries), 0,
+                    1 << 22) ||
+      !CheckIntFlag(kP, "eager_size", eager, 64, 1 << 20, "bytes (1 MiB)") ||
+      !CheckIntFlag(kP, "srq_buffer_size", srq_buffer, 64, (1 << 20) + 64,
+                    "bytes (1 MiB + 64)") ||
+      !CheckIntFlag(kP, "send_depth", absl::GetFlag(FLAGS_send_depth), 0,
+                    16384) ||
+      !CheckDurationFlag(kP, "run_for", absl::GetFlag(FLAGS_run_for),
+                         absl::Milliseconds(1), forever,
+                         /*infinite_ok=*/true) ||
+      !CheckDurationFlag(kP, "accept_timeout",
+                         absl::GetFlag(FLAGS_accept_timeout),
+                         absl::Milliseconds(1), absl::Hours(1)) ||
+      !CheckDurationFlag(kP, "keepalive", absl::GetFlag(FLAGS_keepalive),
+                         absl::ZeroDuration(), absl::Hours(24)) ||
+      !CheckDurationFlag(kP, "stats_interval",
+                         absl::GetFlag(FLAGS_stats_interval),
+                         absl::ZeroDuration(), forever) ||
+      !CheckOutputFileFlag(kP, "port_file", absl::GetFlag(FLAGS_port_file))) {
     return 2;
   }
-  if (absl::GetFlag(FLAGS_srq_depth) < 0 || absl::GetFlag(FLAGS_cq_entries) < 0 ||
-      absl::GetFlag(FLAGS_max_pending_handshakes) < 1) {
+  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 ||
+      absl::GetFlag(FLAGS_srq_initial_credits) > 16384) {
     std::fprintf(stderr,
-                 "echo_server: --srq_depth and --cq_entries must be >= 0, "
-                 "--max_pending_handshakes >= 1\n");
+                 "echo_server: --srq_initial_credits must be >= 2 (a "
+                 "rendezvous needs two "
+                 "credits) and at most 16384; got %d\n",
+                 absl::GetFlag(FLAGS_srq_initial_credits));
     return 2;
   }
   cm::WorkerOptions ctx_options;
   ctx_options.srq_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_depth));
   ctx_options.cq_entries = absl::GetFlag(FLAGS_cq_entries);
-  const int eager = absl::GetFlag(FLAGS_eager_size);
-  if (eager < 64 || eager > (1 << 20)) {
-    std::fprintf(stderr, "echo_server: --eager_size must be in [64, 1 MiB]\n");
-    return 2;
-  }
-  const int srq_buffer = absl::GetFlag(FLAGS_srq_buffer_size);
-  if (srq_buffer < 64 || srq_buffer > (1 << 20) + 64) {
-    std::fprintf(stderr, "echo_server: --srq_buffer_size must be in [64, 1 MiB + 64]\n");
-    return 2;
-  }
   ctx_options.srq_buffer_size = static_cast<uint32_t>(srq_buffer);
-  if (absl::GetFlag(FLAGS_srq_initial_credits) < 2 || absl::GetFlag(FLAGS_send_depth) < 0) {
-    std::fprintf(stderr,
-                 "echo_server: --srq_initial_credits must be >= 2 (a rendezvous needs two "
-                 "credits) and --send_depth >= 0\n");
-    return 2;
-  }
   // Every flag checked: now the device (it logs which provider it chose).
   auto device = OpenDevice(absl::GetFlag(FLAGS_provider), absl::GetFlag(FLAGS_device));
   if (!device.ok()) {
@@ -201,12 +219,13 @@ int Run() {
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {
     // Write then rename, so a script polling for the file never reads half.
     const std::string tmp = f + ".tmp";
-    {
-      std::ofstream out(tmp);
-      out << server->port() << "\n";
-    }
-    if (std::rename(tmp.c_str(), f.c_str()) != 0) {
-      std::fprintf(stderr, "echo_server: cannot write --port_file %s\n", f.c_str());
+    std::ofstream out(tmp);
+    out << server->port() << "\n";
+    out.close();
+    // errno from the failed open/write or rename: the reason to print.
+    if (out.fail() || std::rename(tmp.c_str(), f.c_str()) != 0) {
+      std::fprintf(stderr, "echo_server: cannot write --port_file %s: %s\n",
+                   f.c_str(), std::strerror(errno));
       server->Shutdown();
       return 1;
     }

@@ -18,7 +18,8 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address,
   if (inet_pton(AF_INET, a.c_str(), &sa.sin_addr) != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", address,
-        "' is not a numeric IPv4 address (coverbs resolves no host names)"));
+        "' is not a numeric IPv4 address or 'localhost' (other host names "
+        "are not resolved)"));
   }
   return sa;
 }

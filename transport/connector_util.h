@@ -19,7 +19,7 @@
 namespace coverbs::transport::connector_util {
 
 // A numeric IPv4 address ("localhost" = 127.0.0.1, "" = any) and a port;
-// InvalidArgument for anything else (coverbs resolves no host names).
+// InvalidArgument for anything else (no other host name is resolved).
 absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address,
                                          uint16_t port);
 

@@ -104,6 +104,65 @@ TEST(Handshake, RejectsBadFields) {
   EXPECT_FALSE(DecodeHandshake(B(long_app)).ok());
 }
 
+// The status of decoding `h`, which must be a refusal whose message
+// contains `what`.
+void ExpectRefused(const Handshake& h, const std::string& what) {
+  auto d = DecodeHandshake(B(*EncodeHandshake(h)));
+  ASSERT_FALSE(d.ok()) << "accepted, expected a refusal naming " << what;
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(d.status().message()).find(what), std::string::npos)
+      << d.status();
+}
+
+TEST(Handshake, CreditsAboveTheBoundAreRefusedNamingIt) {
+  Handshake h = Valid();
+  h.credits = 0xffffffff;
+  ExpectRefused(h, "4294967295 receive credits, outside [1, 16384]");
+  h.credits = kMaxHandshakeCredits + 1;
+  ExpectRefused(h, "16385 receive credits, outside [1, 16384]");
+  h.credits = kMaxHandshakeCredits;
+  auto at_bound = DecodeHandshake(B(*EncodeHandshake(h)));
+  ASSERT_TRUE(at_bound.ok()) << at_bound.status();
+  EXPECT_EQ(at_bound->credits, kMaxHandshakeCredits);
+  h = Valid();
+  h.max_credits = kMaxHandshakeCredits + 1;
+  ExpectRefused(h, "max_credits must be in [credits, 16384]");
+}
+
+TEST(Handshake, AHugeReceiveBufferIsClampedToWhatIsEverUsed) {
+  Handshake h = Valid();
+  h.recv_buffer_size = 0xffffffff;
+  auto d = DecodeHandshake(B(*EncodeHandshake(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->recv_buffer_size, kMaxUsedRecvBufferSize);
+  h.recv_buffer_size = 16;  // the header alone
+  ExpectRefused(h, "do not hold the 16-byte message header");
+}
+
+TEST(Handshake, MessageSizeAboveTheWireLimitIsRefusedNamingIt) {
+  Handshake h = Valid();
+  h.max_message_size = ~0ull;
+  ExpectRefused(h,
+                "max message size 18446744073709551615, outside [1, "
+                "4294967295]");
+  h.max_message_size = 0;
+  ExpectRefused(h, "max message size 0, outside [1, 4294967295]");
+  h.max_message_size = kMaxHandshakeMessageSize;
+  EXPECT_TRUE(DecodeHandshake(B(*EncodeHandshake(h))).ok());
+}
+
+TEST(Handshake, UnknownCapabilityBitsAreRefused) {
+  Handshake h = Valid();
+  h.caps = 0xffffffff;
+  ExpectRefused(h, "unknown capability bits 0xfffffffc (known: 0x3)");
+  h.caps = 1u << 31;
+  ExpectRefused(h, "unknown capability bits 0x80000000");
+  h.caps = kKnownCaps;
+  auto d = DecodeHandshake(B(*EncodeHandshake(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->caps, kKnownCaps);
+}
+
 TEST(Handshake, RandomAndTruncatedInputNeverCrash) {
   std::mt19937 rng(12345);
   auto enc = *EncodeHandshake(Valid());

@@ -32,6 +32,10 @@ std::string ValidHandshake();
 std::string AbsurdHandshake();
 
 int RunTcp(const Options& o);
+// --mode=remote (hostile_remote.cc): `dial` opens a TCP connection to the
+// server, `request` is the setup frame with a valid handshake.
+int RunRemote(const Options& o, int (*dial)(const Options&),
+              const std::string& request);
 int RunRdmaCm(const Options& o);
 
 }  // namespace hostile

@@ -19,6 +19,10 @@
 //                    never speak the queue-pair protocol, hold
 //   flood            N connections opened and closed one after another, each
 //                    sending garbage (a burst of short-lived bad peers)
+//   remote           N rounds of one connection per bad request after a
+//                    valid handshake (bad keys, ranges, access, SENDs the
+//                    server cannot take; hostile_remote.cc); exits 3 unless
+//                    each got the refusal expected and ended its connection
 // rdma_cm (verbs provider) modes, hostile_rdmacm.cc:
 //   cm_random        N connects with random private data
 //   cm_silent        N connects with a valid handshake that reach
@@ -166,6 +170,7 @@ int RunTcp(const Options& o) {
     return s;
   };
   const std::string request = Frame(kRequest, ValidHandshake());
+  if (o.mode == "remote") return RunRemote(o, Dial, request);
   std::map<std::string, int> outcome;
   std::vector<int> fds;
   int dial_errors = 0;

@@ -29,6 +29,13 @@ inline constexpr size_t kInlineBulk = 256 * 1024;
 // Small frames in a row after which such a QP goes back to the reactor.
 inline constexpr uint32_t kBulkExitFrames = 16;
 
+// Responses and acknowledgements a responder may owe before it stops
+// taking requests. A peer that honours max_qp_rd_atom (128) is owed at most
+// 128 READ / atomic responses with an ACK between each two, and one NAK or
+// RNR NAK; more means it sends requests without reading what it is owed,
+// and each would cost memory here (the queue grows): a protocol error.
+inline constexpr size_t kMaxCtrlBacklog = 4 * 128;
+
 inline bool IsAtomic(uint8_t op) {
   return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
 }

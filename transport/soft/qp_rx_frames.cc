@@ -216,6 +216,13 @@ void QpCore::StartFrame(const wire::Header& h) {
 }
 
 void QpCore::StartRequest(const wire::Header& h) {
+  if (ctrl_.size() >= kMaxCtrlBacklog) {
+    ProtocolError(absl::StrFormat(
+        "request %u while %u responses are still owed (limit %u): the peer "
+        "does not read them",
+        h.seq, ctrl_.size(), kMaxCtrlBacklog));
+    return;
+  }
   if (h.seq != expected_seq_) {
     if (rnr_drop_ && h.seq > expected_seq_) {
       // Sent before our RNR NAK reached the requester: dropped, resent later.

@@ -218,7 +218,10 @@ int CqCore::GetEvents() {
           channel = true;
           continue;
         }
-        auto it = rx_.find(evs[i].data.u64);
+        // epoll_event is packed: copy the key out rather than bind a
+        // reference to a misaligned member (UB).
+        const uint64_t key = evs[i].data.u64;
+        auto it = rx_.find(key);
         if (it == rx_.end()) continue;
         if (std::shared_ptr<QpCore> qp = it->second.lock()) {
           ended[nq] = Ended(evs[i].events);
