@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "cm/page_memory.h"
 #include "cm/worker_shared.h"
 #include "core/timeout.h"
 #include "transport/cm_trace.h"
@@ -93,8 +94,7 @@ absl::Status ConnectionImpl::Init() {
   ring->slot_size =
       (kHeaderSize + options_.rendezvous_threshold + 63) & ~size_t{63};
   ring->mem_size = ring->slot_size * ring_slots_;
-  ring->mem = static_cast<std::byte*>(
-      std::aligned_alloc(4096, (ring->mem_size + 4095) & ~size_t{4095}));
+  ring->mem = MapPages(ring->mem_size);
   if (ring->mem == nullptr) {
     delete ring;
     return absl::ResourceExhaustedError(

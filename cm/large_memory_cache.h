@@ -14,6 +14,9 @@
 // remote access but through a window bound per message), so that a medium
 // message costs no registration at all.
 //
+// The memory is mapped (page_memory.h), so a freed block's pages go back to
+// the kernel at once.
+//
 // Thread-safe (a Message, which owns its buffer, may be destroyed on any
 // thread). Shared by the connections of a Worker; outlives them through
 // shared_ptr because a Message may outlive its Connection and Worker.
@@ -38,7 +41,15 @@ class LargeMemoryCache {
     transport::MemoryRegion mr;
   };
 
-  // Keeps at most max_idle_bytes of unused blocks; beyond that, Put frees.
+  // Keeps idle blocks for reuse within two bounds: at most max_idle_bytes
+  // in all; and one block per size class, plus further blocks only while
+  // the idle bytes stay within the bytes in use (blocks out of Get and not
+  // yet Put). Put frees what exceeds them, from the largest classes down.
+  // Why the second bound: a burst of connections (on soft, each landing
+  // grant is a block, 32 per connection by default) left max_idle_bytes
+  // per Worker mapped after its connections had closed; tied to the
+  // working set, the cache shrinks with it, and one transfer after another
+  // still reuses its block.
   // A cache made with keep_registrations stores a block's registration
   // with it; any other deregisters what Put is given (a rendezvous
   // buffer's rkey ends with its transfer).
@@ -48,11 +59,14 @@ class LargeMemoryCache {
   LargeMemoryCache(const LargeMemoryCache&) = delete;
 
   // A block of at least `size` bytes (capacity: size rounded up to a power
-  // of two, at least 4 KiB), cached if one is idle.
+  // of two, at least 4 KiB), cached if one is idle; mem is nullptr when no
+  // memory could be mapped. Every block from Get goes back through Put.
   Block Get(size_t size);
   void Put(Block b);
 
   size_t idle_bytes() const;
+  // Bytes of the blocks out of Get and not yet Put.
+  size_t in_use_bytes() const;
 
  private:
   static int ClassOf(size_t size);
@@ -63,6 +77,7 @@ class LargeMemoryCache {
   const bool keep_registrations_;
   mutable std::mutex mu_;
   size_t idle_bytes_ = 0;
+  size_t in_use_bytes_ = 0;
   std::vector<Block> free_[kClasses];
 };
 

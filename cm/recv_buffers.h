@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cm/large_memory_cache.h"
+#include "cm/page_memory.h"
 #include "core/frame_pool.h"
 #include "transport/device.h"
 #include "transport/queue_pair.h"
@@ -50,7 +51,8 @@ struct RecvSlot final : transport::RecvHandler, MessageBuffer {
 // The receive ring: one registration carved into equal slots. Shared by the
 // connection and the Messages that still hold slots, so a Message may
 // outlive its Connection: the ring goes away with the last of them (the QP
-// is closed by then, so the NIC no longer writes into it).
+// is closed by then, so the NIC no longer writes into it). Its memory is
+// mapped (MapPages), so its pages go back to the kernel with it.
 struct RecvRing {
   ConnectionImpl* conn = nullptr;  // null once the connection is gone
   std::byte* mem = nullptr;
@@ -66,7 +68,7 @@ struct RecvRing {
   }
   ~RecvRing() {
     mr.Deregister();
-    std::free(mem);
+    UnmapPages(mem, mem_size);
   }
   void MaybeDelete() {
     if (conn == nullptr && held == 0) delete this;

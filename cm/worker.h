@@ -66,7 +66,11 @@ struct WorkerOptions {
   uint32_t srq_buffer_size = 2048 + 64;
   // Rendezvous receive memory kept mapped for reuse after its message is
   // gone, so large transfers do not fault in fresh pages (each transfer
-  // still registers its own rkey). 0 = allocate and free per transfer.
+  // still registers its own rkey); on a device without memory windows
+  // (soft, siw) landing grants come from it too. At most this much idle,
+  // and beyond one block per size no more than is in use: a Worker whose
+  // connections closed keeps one block per size it served. 0 = allocate
+  // and free per transfer.
   size_t rendezvous_cache_bytes = 64ull << 20;
 };
 

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cm/connection_test_peer.h"
+#include "cm/page_memory.h"
 #include "cm/wire.h"
 #include "core/when.h"
 #include "gtest/gtest.h"
@@ -522,6 +523,47 @@ TEST_P(LandingTest,
         }
       }(this),
       absl::Seconds(30));
+}
+
+// The memory connections used comes back when they close: their receive
+// rings and landing blocks are mapped (cm/page_memory.h) and unmapped, and
+// a Worker's block caches keep no more idle blocks than are in use, beyond
+// one per size class. With a cache bounded only by
+// rendezvous_cache_bytes (64 MiB), the 4 x 32 granted blocks of 128 KiB
+// stayed mapped after the close (16 MiB); with malloc'd rings and blocks,
+// the process kept them in its arenas (issue 25).
+TEST_P(LandingTest, ClosedConnectionsGiveTheirMemoryBack) {
+  Run([](LandingTest* t) -> Task<void> {
+    const size_t before = internal::MappedPageBytes();
+    const ConnectionOptions o;
+    {
+      std::vector<CmTest::Pair> pairs;
+      for (int i = 0; i < 4; ++i) {
+        auto p = co_await t->MakePair();
+        CO_ASSERT_OK(p);
+        pairs.push_back(*std::move(p));
+        CO_ASSERT_OK(co_await t->WarmUp(pairs.back().client.get(),
+                                        pairs.back().server.get(),
+                                        o.landing_buffers));
+        for (uint32_t i = 1; i <= 8; ++i) {
+          CO_ASSERT_OK(co_await Deliver(pairs.back().client.get(),
+                                        pairs.back().server.get(), 65536, i));
+        }
+      }
+      // The grants and the rings are mapped while the connections live.
+      EXPECT_GE(internal::MappedPageBytes() - before,
+                4 * o.landing_buffers * o.landing_buffer_size);
+      for (CmTest::Pair& p : pairs) {
+        co_await p.client->Close();
+        co_await p.server->Close();
+      }
+    }
+    co_await Settle(t->reactor_.get());
+    // What stays: at most one idle block per size class used (the warm-up's
+    // rendezvous, the landing size) in each cache of each Worker.
+    const size_t kept = internal::MappedPageBytes() - before;
+    EXPECT_LE(kept, 2 * 2 * (o.landing_buffer_size + 32 * 1024)) << kept;
+  }(this));
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, LandingTest,

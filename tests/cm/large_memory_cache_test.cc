@@ -1,10 +1,12 @@
 #include "cm/large_memory_cache.h"
 
-#include <cstdint>
-#include <utility>
-
 #include <infiniband/verbs.h>
 
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "cm/page_memory.h"
 #include "gtest/gtest.h"
 #include "transport/device.h"
 
@@ -44,6 +46,8 @@ TEST(LargeMemoryCacheTest, ReusesTheSameClass) {
 
 TEST(LargeMemoryCacheTest, KeepsAtMostTheIdleLimit) {
   LargeMemoryCache cache(128 * 1024);
+  // In use the whole time, so that only the limit bounds what is idle.
+  LargeMemoryCache::Block held = cache.Get(1 << 20);
   LargeMemoryCache::Block a = cache.Get(65536);
   LargeMemoryCache::Block b = cache.Get(65536);
   LargeMemoryCache::Block c = cache.Get(65536);
@@ -51,10 +55,39 @@ TEST(LargeMemoryCacheTest, KeepsAtMostTheIdleLimit) {
   cache.Put(std::move(b));
   cache.Put(std::move(c));  // over the limit: freed
   EXPECT_EQ(cache.idle_bytes(), 128u * 1024);
+  cache.Put(std::move(held));
   LargeMemoryCache none(0);
   LargeMemoryCache::Block d = none.Get(8192);
   none.Put(std::move(d));
   EXPECT_EQ(none.idle_bytes(), 0u);
+}
+
+// Idle blocks beyond the bytes in use go back to the kernel, except one
+// per size class: after a burst, an idle cache keeps one block per size it
+// served, whatever its limit.
+TEST(LargeMemoryCacheTest, IdleMemoryFollowsTheWorkingSet) {
+  const size_t mapped = MappedPageBytes();
+  LargeMemoryCache cache(64 << 20);
+  std::vector<LargeMemoryCache::Block> burst;
+  for (int i = 0; i < 16; ++i) burst.push_back(cache.Get(65536));
+  for (int i = 0; i < 4; ++i) burst.push_back(cache.Get(8192));
+  EXPECT_EQ(cache.in_use_bytes(), 16u * 65536 + 4 * 8192);
+  EXPECT_EQ(MappedPageBytes() - mapped, 16u * 65536 + 4 * 8192);
+  // Half of them back: the idle ones fit within what is still in use.
+  for (int i = 0; i < 8; ++i) {
+    cache.Put(std::move(burst.back()));
+    burst.pop_back();
+  }
+  EXPECT_EQ(cache.idle_bytes(), 4u * 8192 + 4 * 65536);
+  EXPECT_EQ(cache.in_use_bytes(), 12u * 65536);
+  for (LargeMemoryCache::Block& b : burst) cache.Put(std::move(b));
+  EXPECT_EQ(cache.in_use_bytes(), 0u);
+  EXPECT_EQ(cache.idle_bytes(), 65536u + 8192);
+  EXPECT_EQ(MappedPageBytes() - mapped, 65536u + 8192);
+  // The kept ones serve the next transfers.
+  LargeMemoryCache::Block again = cache.Get(65536);
+  EXPECT_EQ(MappedPageBytes() - mapped, 65536u + 8192);
+  cache.Put(std::move(again));
 }
 
 // Landing memory on a device with memory windows: a block comes back with
