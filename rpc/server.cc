@@ -251,7 +251,18 @@ Server::Stats Server::stats() const {
   s.unknown_method = stats_.unknown_method.load();
   s.protocol_errors = stats_.protocol_errors.load();
   s.copied_requests = stats_.copied_requests.load();
+  {
+    // The Workers live until Shutdown returns (Start's contract).
+    std::lock_guard<std::mutex> lock(mu_);
+    s.reactor_stalls = shut_down_ ? final_stalls_ : StallsLocked();
+  }
   return s;
+}
+
+uint64_t Server::StallsLocked() const {
+  uint64_t n = 0;
+  for (cm::Worker* w : workers_) n += w->reactor().stalls();
+  return n;
 }
 
 std::shared_ptr<Server::Conn> Server::NewConn(cm::Worker* ctx) {
@@ -553,6 +564,8 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
     }
   }
   stats_.calls.fetch_add(1);
+  // A stall report of the handler's first run names its method.
+  Reactor::NameCurrentTask(method->name);
   // The handler's result in place: no optional around it to construct,
   // test and destroy per call.
   absl::StatusOr<Payload> ran = co_await method->handler(std::move(req));
@@ -627,6 +640,7 @@ void Server::Shutdown() {
   if (!BeginShutdown()) return;
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return live_ == 0; });
+  final_stalls_ = StallsLocked();
   shut_down_ = true;
 }
 
@@ -637,6 +651,7 @@ Task<void> Server::ShutdownAsync() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (live_ == 0) {
+        final_stalls_ = StallsLocked();
         shut_down_ = true;
         co_return;
       }

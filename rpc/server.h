@@ -145,6 +145,10 @@ class Server {
     uint64_t unknown_method = 0;
     uint64_t protocol_errors = 0;  // connections closed for a bad frame
     uint64_t copied_requests = 0;  // payloads copied to free receive buffers
+    // Stall reports of the server's reactors (ReactorOptions::
+    // stall_threshold): a task, usually a handler, that ran without
+    // yielding past the threshold while every other call waited.
+    uint64_t reactor_stalls = 0;
   };
   Stats stats() const;
 
@@ -168,6 +172,7 @@ class Server {
   std::shared_ptr<Conn> NewConn(cm::Worker* worker);
   bool BeginShutdown();
   void ConnGone();
+  uint64_t StallsLocked() const;  // the Workers' reactors' stalls; mu_ held
 
   ServerOptions options_;
   absl::flat_hash_map<uint32_t, std::unique_ptr<Method>> methods_;
@@ -193,6 +198,7 @@ class Server {
   };
   cm::Listener* listener_ = nullptr;  // under mu_; the accept loop's
   cm::Listener::Stats final_listener_;  // under mu_; once it is gone
+  uint64_t final_stalls_ = 0;  // under mu_; StallsLocked() at shutdown
   AtomicStats stats_;
 };
 

@@ -9,6 +9,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/log.h"
 #include "tests/rpc/rpc_fixture.h"
 
 namespace coverbs::rpc {
@@ -34,8 +41,8 @@ std::string HelperPath() {
 
 class BusyHandlerTest : public RpcTest {
  protected:
-  void SetUp() override {
-    RpcTest::SetUp();
+  // Starts busy_server_peer and reads its port.
+  void StartPeer() {
     std::string path = HelperPath();
     ASSERT_EQ(access(path.c_str(), X_OK), 0) << "helper not found: " << path;
     int fds[2];
@@ -72,6 +79,8 @@ class BusyHandlerTest : public RpcTest {
   // while kInFlight callers keep echo calls going on the same connection
   // until it answered: every call succeeds.
   void BusyWhileCallsInFlight(const char* method, int ms) {
+    StartPeer();
+    if (HasFatalFailure()) return;
     Run(
         [](BusyHandlerTest* t, const char* method, int ms) -> Task<void> {
           auto c =
@@ -138,6 +147,45 @@ TEST_P(BusyHandlerTest, HandlerBlockingFiveSecondsCostsNoCall) {
 
 TEST_P(BusyHandlerTest, CpuHeavyHandlerCostsNoCall) {
   BusyWhileCallsInFlight("Burn", 1500);
+}
+
+// The server reports the stall (its log names the handler's method) and
+// counts it in its stats.
+TEST_P(BusyHandlerTest, AStalledHandlerIsLoggedAndCounted) {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  SetLogSink([&](const LogRecord& r) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.push_back(std::string(r.message));
+  });
+  server_ = std::make_unique<Server>();
+  ASSERT_TRUE(server_
+                  ->Register("Block",
+                             [](Request) -> Task<absl::StatusOr<Payload>> {
+                               std::this_thread::sleep_for(
+                                   std::chrono::milliseconds(300));
+                               co_return Payload::Copy("done");
+                             })
+                  .ok());
+  std::vector<cm::Worker*> ctxs;
+  for (auto& c : server_ctxs_) ctxs.push_back(c.get());
+  ASSERT_TRUE(server_->Start(ctxs, addr_, 0).ok());
+  EXPECT_EQ(server_->stats().reactor_stalls, 0u);
+  Run([](BusyHandlerTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    CO_ASSERT_OK(co_await (*c)->Call("Block", {}));
+  }(this));
+  SetLogSink(nullptr);
+  EXPECT_EQ(server_->stats().reactor_stalls, 1u);
+  std::lock_guard<std::mutex> lock(mu);
+  int found = 0;
+  for (const std::string& l : lines) {
+    if (l.find("reactor stalled: task 'Block' ran ") != std::string::npos) {
+      ++found;
+    }
+  }
+  EXPECT_EQ(found, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, BusyHandlerTest,
