@@ -251,6 +251,9 @@ Server::Stats Server::stats() const {
   s.unknown_method = stats_.unknown_method.load();
   s.protocol_errors = stats_.protocol_errors.load();
   s.copied_requests = stats_.copied_requests.load();
+  for (size_t i = 0; i < cm::kCloseCauses; ++i) {
+    s.closed_by_cause[i] = stats_.closed[i].load();
+  }
   {
     // The Workers live until Shutdown returns (Start's contract).
     std::lock_guard<std::mutex> lock(mu_);
@@ -403,6 +406,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                          conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   Frame f;  // (out of the loop: not built anew per message)
+  bool bad_frame = false;
   const cm::PeerInfo* const peer = &conn.peer();  // (a call per request)
   for (;;) {
     // Recv has no coroutine frame: a request already there is taken
@@ -419,6 +423,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
           DecodeFrame(m->data(), Side::kServer, c->limits);
       if (!other.ok()) {
         stats_.protocol_errors.fetch_add(1);
+        bad_frame = true;
         // Answer the call whose id the header carries (when it can be read
         // and is not a running call's), then the connection as a whole (id
         // 0) so every other pending call learns why; then close this
@@ -458,6 +463,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     Call* call = c->calls.Add(h.call_id);
     if (call == nullptr) {
       stats_.protocol_errors.fetch_add(1);
+      bad_frame = true;
       why = absl::InvalidArgumentError(absl::StrCat(
           "rpc server on ", conn.name(), ": call id ", h.call_id,
           " reused while that call is still running"));
@@ -542,6 +548,14 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }(&c->drained));
   }
   (void)co_await Unstoppable(conn.Close());
+  // Why it ended (this side closes after a bad frame: the peer's fault).
+  cm::CloseCause cause = conn.close_cause();
+  if (bad_frame) {
+    cause = cm::CloseCause::kProtocolViolation;
+  } else if (cause == cm::CloseCause::kProtocolViolation) {
+    stats_.protocol_errors.fetch_add(1);
+  }
+  stats_.closed[static_cast<size_t>(cause)].fetch_add(1);
   cm::Connection::Stats cs = conn.stats();
   stats_.credit_stalls.fetch_add(cs.credit_waits);
   stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);

@@ -175,6 +175,12 @@ TEST_P(BusyHandlerTest, AStalledHandlerIsLoggedAndCounted) {
     auto c = co_await t->NewClient();
     CO_ASSERT_OK(c);
     CO_ASSERT_OK(co_await (*c)->Call("Block", {}));
+    // The server counts the connection's end by its cause.
+    CO_ASSERT_OK(co_await (*c)->Close());
+    Server* s = t->server_.get();
+    const size_t peer = static_cast<size_t>(cm::CloseCause::kPeerClosed);
+    EXPECT_TRUE(co_await Eventually(
+        [s, peer] { return s->stats().closed_by_cause[peer] == 1; }));
   }(this));
   SetLogSink(nullptr);
   EXPECT_EQ(server_->stats().reactor_stalls, 1u);
