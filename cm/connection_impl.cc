@@ -515,8 +515,13 @@ Task<absl::Status> ConnectionImpl::Close() {
     (void)s;  // a peer that cannot take it is gone anyway
   }
   closing_ = true;
-  // No-op if already down.
-  Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
+  // No-op if already down. After the peer's goodbye, ours is no news: it
+  // was the peer that closed (whether its flush came first or not).
+  if (peer_closed_) {
+    Fail(CloseCause::kPeerClosed, absl::UnavailableError("closed by the peer"));
+  } else {
+    Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
+  }
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();
