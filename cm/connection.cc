@@ -51,6 +51,7 @@ Task<absl::StatusOr<uint64_t>> Connection::CompareSwap(
 Task<absl::Status> Connection::Close() { return impl_->Close(); }
 
 absl::Status Connection::status() const { return impl_->status(); }
+CloseCause Connection::close_cause() const { return impl_->close_cause(); }
 const PeerInfo& Connection::peer() const { return impl_->peer(); }
 const Handshake& Connection::local_handshake() const {
   return impl_->local_handshake();

@@ -186,6 +186,26 @@ class Message {
   internal::MessageBuffer* owner_ = nullptr;
 };
 
+// Why a connection ended: the words a down connection's status() starts
+// with (CloseCauseName), its verbs status and details following. The same
+// scenario always gives the same cause.
+enum class CloseCause : uint8_t {
+  kNone,               // still up
+  kPeerClosed,         // "closed by the peer": its Close(), orderly
+  kLocalClose,         // "closed locally": this side's Close() or destructor
+  kPeerGone,           // "peer gone": the link ended without the peer
+                       // closing (its process died, its host went away)
+  kPeerUnreachable,    // "peer unreachable (transport retries exhausted)"
+  kKeepalive,          // "keepalive unanswered" (ConnectionOptions)
+  kProtectionError,    // "protection error on this connection": a bad key,
+                       // range or access right, either side
+  kProtocolViolation,  // "protocol violation by the peer"
+  kTransportError,     // "transport error": any other failed work request
+  kLocalError,         // "local error": a resource this side could not get
+};
+inline constexpr size_t kCloseCauses = 10;
+const char* CloseCauseName(CloseCause c);
+
 class Connection {
  public:
   ~Connection();  // closes abruptly if Close() was not awaited (bounded)
@@ -286,6 +306,8 @@ class Connection {
   // completion failed (a remote access error on a WRITE, say) takes the
   // connection down before it returns: the QP is in the error state.
   absl::Status status() const;
+  // Why it went down (kNone while up).
+  CloseCause close_cause() const;
   const PeerInfo& peer() const;
   // What this side announced in its handshake (credits, receive buffer
   // size, largest message; on the connecting side, the app data).

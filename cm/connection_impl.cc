@@ -12,11 +12,74 @@
 #include "absl/strings/str_format.h"
 #include "cm/page_memory.h"
 #include "cm/worker_shared.h"
+#include "core/log.h"
 #include "core/timeout.h"
 #include "transport/cm_trace.h"
 #include "transport/errors.h"
 
+namespace coverbs::cm {
+
+const char* CloseCauseName(CloseCause c) {
+  switch (c) {
+    case CloseCause::kNone:
+      return "up";
+    case CloseCause::kPeerClosed:
+      return "closed by the peer";
+    case CloseCause::kLocalClose:
+      return "closed locally";
+    case CloseCause::kPeerGone:
+      return "peer gone";
+    case CloseCause::kPeerUnreachable:
+      return "peer unreachable (transport retries exhausted)";
+    case CloseCause::kKeepalive:
+      return "keepalive unanswered";
+    case CloseCause::kProtectionError:
+      return "protection error on this connection";
+    case CloseCause::kProtocolViolation:
+      return "protocol violation by the peer";
+    case CloseCause::kTransportError:
+      return "transport error";
+    case CloseCause::kLocalError:
+      return "local error";
+  }
+  return "?";
+}
+
+}  // namespace coverbs::cm
+
 namespace coverbs::cm::internal {
+
+uint64_t NextConnectionId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+CloseCause CauseOfWc(const absl::Status& s) {
+  std::optional<ibv_wc_status> wc = transport::WcStatusOf(s);
+  if (!wc.has_value()) return CloseCause::kLocalError;
+  return CauseOfWcStatus(*wc);
+}
+
+CloseCause CauseOfWcStatus(ibv_wc_status wc) {
+  switch (wc) {
+    case IBV_WC_SUCCESS:
+      return CloseCause::kLocalError;
+    case IBV_WC_RETRY_EXC_ERR:
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return CloseCause::kPeerUnreachable;
+    case IBV_WC_LOC_PROT_ERR:
+    case IBV_WC_REM_ACCESS_ERR:
+    case IBV_WC_MW_BIND_ERR:
+    case IBV_WC_REM_INV_RD_REQ_ERR:
+      return CloseCause::kProtectionError;
+    case IBV_WC_WR_FLUSH_ERR:
+      // Flushed with no other reason known here: the QP went to error
+      // under us, which (no local close, no goodbye) is the link ending.
+      return CloseCause::kPeerGone;
+    default:
+      return CloseCause::kTransportError;
+  }
+}
 
 absl::Status ConnectionImpl::InitSrq() {
   auto pool = SrqPool::For(ctx_);
@@ -194,9 +257,14 @@ absl::Status ConnectionImpl::Start(
         for (int i = 0; i < 64 && self->qp_->PollCompletions() > 0; ++i) {
         }
       }
-      if (self->peer_closed_)
-        why = absl::UnavailableError("closed by the peer");
-      self->Fail(std::move(why));
+      if (self->peer_closed_) {
+        self->Fail(CloseCause::kPeerClosed,
+                   absl::UnavailableError("closed by the peer"));
+      } else {
+        // The link went down without the peer's goodbye (rdma_cm
+        // DISCONNECTED, DEVICE_REMOVAL, a fatal QP event).
+        self->Fail(CloseCause::kPeerGone, std::move(why));
+      }
     });
   }
   // The active side says hello at once (protocol 4): the passive side's
@@ -220,10 +288,7 @@ absl::Status ConnectionImpl::Start(
 }
 
 absl::Status ConnectionImpl::CheckUp(const char* what) const {
-  if (!status_.ok()) {
-    return absl::Status(status_.code(), absl::StrCat(what, " on ", name_, ": ",
-                                                     status_.message()));
-  }
+  if (!status_.ok()) return DownError(what);
   if (closing_) {
     return absl::UnavailableError(
         absl::StrCat(what, " on ", name_, ": the connection is closing"));
@@ -233,6 +298,13 @@ absl::Status ConnectionImpl::CheckUp(const char* what) const {
         absl::StrCat(what, " on ", name_, ": not connected yet"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ConnectionImpl::DownError(const char* op) const {
+  // The connection's reason as it is (its cause in words first), then which
+  // operation and connection met it.
+  return absl::Status(status_.code(), absl::StrCat(status_.message(), " (", op,
+                                                   " on ", name_, ")"));
 }
 
 absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
@@ -247,23 +319,29 @@ absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
     // buffer that could not be had): the reliable QP is in the error state
     // now, so the connection is down. It says so at once, with this
     // reason, instead of when a flushed receive reports it later.
-    Fail(absl::Status(s.code(), absl::StrCat("connection lost: ", op,
-                                             " failed: ", s.message())));
+    Fail(CauseOfWc(s),
+         absl::Status(s.code(), absl::StrCat(op, " failed: ", s.message())));
   }
   if (!s.ok() && !consequence) {
     if (status_is_flush_) {
-      status_ = absl::Status(
-          s.code(), absl::StrCat("connection lost: ", op, " failed: ",
-                                 s.message()));
+      // The flush that took the connection down came from this failure:
+      // it is the cause.
+      cause_ = CauseOfWc(s);
+      status_ =
+          absl::Status(s.code(), absl::StrCat(CloseCauseName(cause_), ": ", op,
+                                              " failed: ", s.message()));
       status_is_flush_ = false;
+    }
+    // This operation's failure took the connection down: its cause first.
+    if (!status_.ok() && transport::WcStatusOf(s).has_value()) {
+      return absl::Status(
+          s.code(), absl::StrCat(CloseCauseName(cause_), ": ", op, " on ",
+                                 name_, ": ", s.message()));
     }
     return absl::Status(s.code(),
                         absl::StrCat(op, " on ", name_, ": ", s.message()));
   }
-  if (!status_.ok()) {
-    return absl::Status(status_.code(), absl::StrCat(op, " on ", name_, ": ",
-                                                     status_.message()));
-  }
+  if (!status_.ok()) return DownError(op);
   return absl::Status(s.code(),
                       absl::StrCat(op, " on ", name_, ": ", s.message()));
 }
@@ -278,10 +356,25 @@ void ConnectionImpl::SpawnInternal(Task<void> t) {
   ctx_.reactor().Spawn(keep(shared_from_this(), std::move(t)));
 }
 
-void ConnectionImpl::Fail(absl::Status why) {
+void ConnectionImpl::Fail(absl::Status why) { Fail(CauseOfWc(why), why); }
+
+void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
   if (!status_.ok()) return;
   COVERBS_CM_TRACE(name_, ": down: ", why.ToString());
-  status_ = std::move(why);
+  const char* words = CloseCauseName(cause);
+  cause_ = cause;
+  // The cause in words first; the detail (verbs status, what failed) after,
+  // unless it says no more than the words.
+  if (why.message() == words) {
+    status_ = std::move(why);
+  } else {
+    status_ =
+        absl::Status(why.code(), absl::StrCat(words, ": ", why.message()));
+    why.ForEachPayload([this](absl::string_view url, const absl::Cord& p) {
+      status_.SetPayload(url, p);
+    });
+  }
+  LogClose();
   // Stop posting at once (siw never completes WRs posted after a peer
   // TERMINATE) and flush what is posted.
   if (!qp_->in_error())
@@ -313,8 +406,36 @@ void ConnectionImpl::Fail(absl::Status why) {
   }
 }
 
+void ConnectionImpl::LogClose() const {
+  // A close the application or its peer asked for is news at info level; a
+  // fault is a warning. A peer breaking the protocol may do so on purpose
+  // and over and over: those lines are rate-limited (as refusals are).
+  if (cause_ == CloseCause::kProtocolViolation) {
+    static LogLimiter limiter(absl::Seconds(1));
+    if (!LogEnabled(LogLevel::kWarning)) return;
+    uint64_t suppressed = 0;
+    if (!limiter.Allow(&suppressed)) return;
+    COVERBS_LOG(kWarning, "cm", "%s (%s) closed: %s%s", name_, peer_.address,
+                status_.message(),
+                suppressed > 0
+                    ? absl::StrFormat(" (and %d more like it)", suppressed)
+                    : std::string());
+    return;
+  }
+  const bool asked =
+      cause_ == CloseCause::kPeerClosed || cause_ == CloseCause::kLocalClose;
+  if (asked) {
+    COVERBS_LOG(kInfo, "cm", "%s (%s) closed: %s", name_, peer_.address,
+                status_.message());
+  } else {
+    COVERBS_LOG(kWarning, "cm", "%s (%s) closed: %s", name_, peer_.address,
+                status_.message());
+  }
+}
+
 void ConnectionImpl::Abort(absl::Status why) {
-  Fail(std::move(why));
+  // The owner let go of the connection without closing it.
+  Fail(CloseCause::kLocalClose, std::move(why));
   // The owner is gone, so nobody will Close: internal tasks still waiting
   // for their work requests keep this connection (and its QP on the
   // Worker's CQ) alive until the flushes come, which on siw after a peer
@@ -394,7 +515,13 @@ Task<absl::Status> ConnectionImpl::Close() {
     (void)s;  // a peer that cannot take it is gone anyway
   }
   closing_ = true;
-  Fail(absl::UnavailableError("closed locally"));  // no-op if already down
+  // No-op if already down. After the peer's goodbye, ours is no news: it
+  // was the peer that closed (whether its flush came first or not).
+  if (peer_closed_) {
+    Fail(CloseCause::kPeerClosed, absl::UnavailableError("closed by the peer"));
+  } else {
+    Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
+  }
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();
@@ -429,7 +556,10 @@ Task<absl::Status> ConnectionImpl::Close() {
 
 // Runs once the Connection and every internal task are gone.
 ConnectionImpl::~ConnectionImpl() {
-  if (status_.ok()) Fail(absl::UnavailableError("connection destroyed"));
+  if (status_.ok()) {
+    Fail(CloseCause::kLocalClose,
+         absl::UnavailableError("the connection was destroyed"));
+  }
   qp_.reset();  // drains (bounded) before freeing what the NIC may touch
   link_.reset();
   for (Incoming& in : incoming_) delete in.large;

@@ -102,12 +102,19 @@ inline size_t CopyParts(std::byte* dst,
   return off;
 }
 
+// Connection ids are unique in the process (logs and errors name them),
+// not per Worker.
+uint64_t NextConnectionId();
+// The cause a failed work request's verbs status (in `s`) stands for.
+CloseCause CauseOfWc(const absl::Status& s);
+CloseCause CauseOfWcStatus(ibv_wc_status wc);
+
 class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  public:
   ConnectionImpl(Worker& ctx, std::unique_ptr<transport::QueuePair> qp,
                  const ConnectionOptions& o, bool active)
       : ctx_(ctx), qp_(std::move(qp)), options_(o), active_(active) {
-    id_ = SharedOf(ctx).next_connection_id++;
+    id_ = NextConnectionId();
     qp_num_ = qp_->qp_num();
     name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
   }
@@ -148,6 +155,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<void> SendKeepalive(uint8_t flags);
 
   absl::Status status() const { return status_; }
+  CloseCause close_cause() const { return cause_; }
   const PeerInfo& peer() const { return peer_; }
   Worker& worker() const { return ctx_; }
   transport::QueuePair& qp() const { return *qp_; }
@@ -319,7 +327,14 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   void FailInternalSend(const absl::Status& s, const char* what);
   void FillHeader(WireHeader& h, MsgType type, uint32_t length, uint32_t cookie,
                   uint16_t flags);
+  // Takes the connection down: status_ becomes `why` with the cause's
+  // words first (CloseCauseName), the close is logged with it. The one-
+  // argument form finds the cause in the verbs status `why` carries.
+  void Fail(CloseCause cause, absl::Status why);
   void Fail(absl::Status why);
+  void LogClose() const;
+  // What an operation on the down connection returns.
+  absl::Status DownError(const char* op) const;
   void Pump();
   void MaybeSendCredits();
   // Credits returned once this many are owed.
@@ -455,6 +470,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   // Teardown.
   absl::Status status_;  // non-OK once down
+  CloseCause cause_ = CloseCause::kNone;
   bool closing_ = false;
   WaitGroup tasks_;  // internal control sends in flight
 

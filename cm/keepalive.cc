@@ -41,10 +41,11 @@ Task<void> ConnectionImpl::KeepaliveLoop() {
       continue;
     }
     if (unanswered >= options_.keepalive_probes) {
-      Fail(absl::DeadlineExceededError(absl::StrFormat(
-          "connection lost: the peer answered none of %d keepalive probes "
-          "(%s apart): it froze, hung or lost its host",
-          unanswered, absl::FormatDuration(interval))));
+      Fail(CloseCause::kKeepalive,
+           absl::DeadlineExceededError(
+               absl::StrFormat("the peer answered none of %d keepalive probes "
+                               "(%s apart): it froze, hung or lost its host",
+                               unanswered, absl::FormatDuration(interval))));
       co_return;
     }
     ++unanswered;

@@ -15,8 +15,7 @@
 namespace coverbs::cm::internal {
 
 void ConnectionImpl::Protocol(absl::string_view what) {
-  Fail(absl::DataLossError(
-      absl::StrCat("protocol violation by the peer: ", what)));
+  Fail(CloseCause::kProtocolViolation, absl::DataLossError(what));
 }
 
 void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
@@ -80,23 +79,38 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
 
 void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
   if (!status_.ok()) return;
-  if (peer_closed_ || closing_) {
-    Fail(absl::UnavailableError(peer_closed_ ? "closed by the peer"
-                                             : "closed locally"));
+  if (peer_closed_) {
+    Fail(CloseCause::kPeerClosed, absl::UnavailableError("closed by the peer"));
+    return;
+  }
+  if (closing_) {
+    Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
     return;
   }
   // A message sent inline that failed (its completion goes to the QP, and
   // comes before the flushes it causes) is the reason, not the flush.
   if (const absl::Status& sent = qp_->inline_send_error(); !sent.ok()) {
-    Fail(absl::Status(
-        sent.code(),
-        absl::StrCat("connection lost: send failed: ", sent.message())));
+    Fail(CauseOfWc(sent),
+         absl::Status(sent.code(),
+                      absl::StrCat("send failed: ", sent.message())));
     return;
   }
-  Fail(absl::UnavailableError(
-      absl::StrCat("connection lost: receive completed with ",
-                   transport::WcStatusName(wc.status))));
-  status_is_flush_ = wc.status == IBV_WC_WR_FLUSH_ERR;
+  if (wc.status == IBV_WC_WR_FLUSH_ERR) {
+    // The QP went to error under us with no goodbye from the peer and no
+    // failed operation of ours in front: the link ended (the peer's
+    // process died, or its host). A failed operation completing later
+    // replaces this (OpError).
+    Fail(CloseCause::kPeerGone,
+         absl::UnavailableError(absl::StrCat(
+             "the link ended without the peer closing the connection "
+             "(receive completed with ",
+             transport::WcStatusName(wc.status), ")")));
+    status_is_flush_ = true;
+    return;
+  }
+  Fail(CauseOfWcStatus(wc.status),
+       absl::UnavailableError(absl::StrCat(
+           "receive completed with ", transport::WcStatusName(wc.status))));
 }
 
 // TakeHeader and OnData always inline (only OnRecv calls them, once per

@@ -55,8 +55,8 @@ size_t ConnectionImpl::WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
 
 void ConnectionImpl::FailInternalSend(const absl::Status& s, const char* what) {
   if (!s.ok() && status_.ok() && !closing_) {
-    Fail(absl::UnavailableError(
-        absl::StrCat("connection lost: ", what, " failed: ", s.message())));
+    Fail(CauseOfWc(s),
+         absl::UnavailableError(absl::StrCat(what, " failed: ", s.message())));
   }
 }
 

@@ -26,7 +26,6 @@ struct WorkerShared {
   ~WorkerShared() {
     if (srq_pool != nullptr) DetachSrqPool(srq_pool);
   }
-  uint64_t next_connection_id = 1;
   // Registered send buffers, by buffer size, shared by the connections.
   std::map<size_t, std::unique_ptr<transport::BufferPool>> send_pools;
   // Rendezvous receive memory (a Message holding some may outlive the

@@ -9,6 +9,8 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "core/log.h"
+#include "core/stall_watchdog.h"
 
 namespace coverbs {
 namespace {
@@ -138,10 +140,17 @@ absl::Status Reactor::Init() {
     return absl::InternalError(
         absl::StrFormat("eventfd for reactor wake-ups: %s", strerror(errno)));
   }
+  if (options_.stall_threshold > absl::ZeroDuration()) {
+    stall_ = std::make_unique<internal::StallState>();
+    stall_->threshold_ns = std::max<int64_t>(
+        1, absl::ToInt64Nanoseconds(options_.stall_threshold));
+    internal::AddStallWatch(stall_.get());
+  }
   return absl::OkStatus();
 }
 
 Reactor::~Reactor() {
+  if (stall_) internal::RemoveStallWatch(stall_.get());
   {
     CurrentScope scope(this);
     // Tasks still suspended: destroying their frames runs the awaiters'
@@ -480,10 +489,49 @@ int Reactor::RunReady() {
   internal::Trampoline& t = internal::tls_trampoline;
   internal::Trampoline saved = t;
   t.active = true;
-  for (std::coroutine_handle<> h : running_) internal::RunOnTrampoline(t, h);
+  if (stall_ == nullptr) {
+    for (std::coroutine_handle<> h : running_) internal::RunOnTrampoline(t, h);
+  } else {
+    // The watchdog sees seq odd while a task runs; whether it flagged this
+    // one is checked after it returns (one load), so no clock is read here.
+    // seq only grows (a flag names one task); inside a task (a BlockOn in
+    // a task nests a loop) it goes back to odd: the outer task still runs.
+    std::atomic<uint64_t>& seq = stall_->seq;
+    auto next = [](uint64_t v, uint64_t parity) {
+      return v + 1 + (((v + 1) & 1) != parity ? 1 : 0);
+    };
+    for (std::coroutine_handle<> h : running_) {
+      task_name_ = {};
+      const uint64_t before = seq.load(std::memory_order_relaxed);
+      const uint64_t mine = next(before, 1);
+      seq.store(mine, std::memory_order_relaxed);
+      internal::RunOnTrampoline(t, h);
+      seq.store(next(seq.load(std::memory_order_relaxed), before & 1),
+                std::memory_order_relaxed);
+      if (stall_->flagged.load(std::memory_order_acquire) == mine) {
+        ReportStall(stall_->since_ns.load(std::memory_order_relaxed));
+      }
+    }
+  }
   t = saved;
   running_.clear();
   return n;
+}
+
+void Reactor::NameCurrentTask(std::string_view name) {
+  if (tls_current != nullptr) tls_current->task_name_ = name;
+}
+
+void Reactor::ReportStall(int64_t since_ns) {
+  stalls_.fetch_add(1, std::memory_order_relaxed);
+  const int64_t ms = (internal::StallClockNs() - since_ns) / 1'000'000;
+  COVERBS_LOG(kWarning, "core",
+              "reactor stalled: %s ran %d ms without yielding (threshold %d "
+              "ms); every other task of this reactor waited. Move blocking "
+              "or CPU-heavy work off the reactor (coverbs::Offload)",
+              task_name_.empty() ? std::string("an unnamed task")
+                                 : absl::StrFormat("task '%s'", task_name_),
+              ms, absl::ToInt64Milliseconds(options_.stall_threshold));
 }
 
 int Reactor::PollAll() {

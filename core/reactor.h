@@ -32,6 +32,7 @@
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
@@ -40,6 +41,10 @@
 #include "absl/time/time.h"
 #include "core/intrusive.h"
 #include "core/task.h"
+
+namespace coverbs::internal {
+struct StallState;  // core/stall_watchdog.h
+}  // namespace coverbs::internal
 
 namespace coverbs {
 
@@ -56,6 +61,15 @@ struct ReactorOptions {
   // kAdaptive: how long to keep spinning without progress while a poller
   // reports work in flight before arming and sleeping.
   absl::Duration adaptive_spin = absl::Microseconds(50);
+  // Stall reports: a task that runs this long without yielding (a handler
+  // computing or blocking on its reactor: every other task and connection
+  // of the reactor waits meanwhile) is logged once, at warning level, when
+  // it returns -- with how long it ran and its name (NameCurrentTask) --
+  // and counted (stalls()). Zero turns them off. 100 ms: ten times the
+  // slowest latency a reactor-hosted service normally has budgeted for one
+  // step, long enough that page faults, a cold start or a loaded machine do
+  // not report, short enough that what a caller feels is reported.
+  absl::Duration stall_threshold = absl::Milliseconds(100);
 };
 
 // A component that reaps completions by polling (e.g. a CompletionQueue).
@@ -263,6 +277,15 @@ class Reactor {
 
   bool InLoopThread() const { return Current() == this; }
 
+  // --- Stall reports (ReactorOptions::stall_threshold).
+  // Names the task running on this thread's reactor until it next suspends
+  // (the next resumption starts unnamed): a stall report names it. `name`
+  // must stay valid as long as the task runs (a literal, a registered
+  // method name). No effect outside a reactor's loop.
+  static void NameCurrentTask(std::string_view name);
+  // Stalls reported so far (any thread).
+  uint64_t stalls() const { return stalls_.load(std::memory_order_relaxed); }
+
  private:
   friend void internal::FinishDetached(internal::DetachedRecord* r) noexcept;
   explicit Reactor(ReactorOptions options);
@@ -330,6 +353,13 @@ class Reactor {
   internal::IntrusiveList<internal::DetachedRecord> detached_;
   size_t detached_count_ = 0;
   bool in_loop_ = false;
+
+  // Stall reports: the watchdog's view (core/stall_watchdog.h), the name
+  // of the task now running, and the count.
+  void ReportStall(int64_t since_ns);
+  std::unique_ptr<internal::StallState> stall_;  // null: reports off
+  std::string_view task_name_;
+  std::atomic<uint64_t> stalls_{0};
 };
 
 // ---------------------------------------------------------------------------

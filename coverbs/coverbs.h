@@ -24,6 +24,7 @@
 #include "cm/worker_pool.h"
 #include "cm/listener.h"
 #include "core/join.h"
+#include "core/offload.h"
 #include "core/reactor.h"
 #include "core/reactor_pool.h"
 #include "core/status_macros.h"

@@ -111,6 +111,15 @@ void PrintStats(const rpc::Server& server) {
               u(st.accept_errors), u(st.failed_calls), u(st.cancelled_calls),
               u(st.unknown_method), u(st.protocol_errors), u(st.request_bytes),
               u(st.response_bytes), u(st.rendezvous), u(st.credit_stalls));
+  // Why connections ended, and the reactors' stalls, where any.
+  std::string closes;
+  for (size_t i = 1; i < cm::kCloseCauses; ++i) {
+    if (st.closed_by_cause[i] == 0) continue;
+    absl::StrAppend(&closes, closes.empty() ? "" : ", ", st.closed_by_cause[i],
+                    " ", cm::CloseCauseName(static_cast<cm::CloseCause>(i)));
+  }
+  std::printf("echo_server: connections ended: %s; %llu reactor stall(s)\n",
+              closes.empty() ? "none" : closes.c_str(), u(st.reactor_stalls));
   std::fflush(stdout);
 }
 

@@ -251,7 +251,21 @@ Server::Stats Server::stats() const {
   s.unknown_method = stats_.unknown_method.load();
   s.protocol_errors = stats_.protocol_errors.load();
   s.copied_requests = stats_.copied_requests.load();
+  for (size_t i = 0; i < cm::kCloseCauses; ++i) {
+    s.closed_by_cause[i] = stats_.closed[i].load();
+  }
+  {
+    // The Workers live until Shutdown returns (Start's contract).
+    std::lock_guard<std::mutex> lock(mu_);
+    s.reactor_stalls = shut_down_ ? final_stalls_ : StallsLocked();
+  }
   return s;
+}
+
+uint64_t Server::StallsLocked() const {
+  uint64_t n = 0;
+  for (cm::Worker* w : workers_) n += w->reactor().stalls();
+  return n;
 }
 
 std::shared_ptr<Server::Conn> Server::NewConn(cm::Worker* ctx) {
@@ -392,6 +406,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
                          conn_max > kHeaderSize ? conn_max - kHeaderSize : 0);
   absl::Status why;
   Frame f;  // (out of the loop: not built anew per message)
+  bool bad_frame = false;
   const cm::PeerInfo* const peer = &conn.peer();  // (a call per request)
   for (;;) {
     // Recv has no coroutine frame: a request already there is taken
@@ -408,6 +423,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
           DecodeFrame(m->data(), Side::kServer, c->limits);
       if (!other.ok()) {
         stats_.protocol_errors.fetch_add(1);
+        bad_frame = true;
         // Answer the call whose id the header carries (when it can be read
         // and is not a running call's), then the connection as a whole (id
         // 0) so every other pending call learns why; then close this
@@ -447,6 +463,7 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     Call* call = c->calls.Add(h.call_id);
     if (call == nullptr) {
       stats_.protocol_errors.fetch_add(1);
+      bad_frame = true;
       why = absl::InvalidArgumentError(absl::StrCat(
           "rpc server on ", conn.name(), ": call id ", h.call_id,
           " reused while that call is still running"));
@@ -531,6 +548,14 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }(&c->drained));
   }
   (void)co_await Unstoppable(conn.Close());
+  // Why it ended (this side closes after a bad frame: the peer's fault).
+  cm::CloseCause cause = conn.close_cause();
+  if (bad_frame) {
+    cause = cm::CloseCause::kProtocolViolation;
+  } else if (cause == cm::CloseCause::kProtocolViolation) {
+    stats_.protocol_errors.fetch_add(1);
+  }
+  stats_.closed[static_cast<size_t>(cause)].fetch_add(1);
   cm::Connection::Stats cs = conn.stats();
   stats_.credit_stalls.fetch_add(cs.credit_waits);
   stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);
@@ -553,6 +578,8 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
     }
   }
   stats_.calls.fetch_add(1);
+  // A stall report of the handler's first run names its method.
+  Reactor::NameCurrentTask(method->name);
   // The handler's result in place: no optional around it to construct,
   // test and destroy per call.
   absl::StatusOr<Payload> ran = co_await method->handler(std::move(req));
@@ -627,6 +654,7 @@ void Server::Shutdown() {
   if (!BeginShutdown()) return;
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return live_ == 0; });
+  final_stalls_ = StallsLocked();
   shut_down_ = true;
 }
 
@@ -637,6 +665,7 @@ Task<void> Server::ShutdownAsync() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (live_ == 0) {
+        final_stalls_ = StallsLocked();
         shut_down_ = true;
         co_return;
       }

@@ -30,6 +30,7 @@
 #ifndef COVERBS_RPC_SERVER_H_
 #define COVERBS_RPC_SERVER_H_
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -143,8 +144,17 @@ class Server {
     uint64_t cancels_received = 0;
     uint64_t cancelled_calls = 0;  // handlers stopped before responding
     uint64_t unknown_method = 0;
-    uint64_t protocol_errors = 0;  // connections closed for a bad frame
+    // Connections closed for a bad frame, or for breaking the connection
+    // layer's protocol (cm::CloseCause::kProtocolViolation).
+    uint64_t protocol_errors = 0;
     uint64_t copied_requests = 0;  // payloads copied to free receive buffers
+    // Stall reports of the server's reactors (ReactorOptions::
+    // stall_threshold): a task, usually a handler, that ran without
+    // yielding past the threshold while every other call waited.
+    uint64_t reactor_stalls = 0;
+    // Connections that ended, by why (indexed by cm::CloseCause; a bad
+    // RPC frame counts as kProtocolViolation).
+    std::array<uint64_t, cm::kCloseCauses> closed_by_cause{};
   };
   Stats stats() const;
 
@@ -168,6 +178,7 @@ class Server {
   std::shared_ptr<Conn> NewConn(cm::Worker* worker);
   bool BeginShutdown();
   void ConnGone();
+  uint64_t StallsLocked() const;  // the Workers' reactors' stalls; mu_ held
 
   ServerOptions options_;
   absl::flat_hash_map<uint32_t, std::unique_ptr<Method>> methods_;
@@ -190,9 +201,11 @@ class Server {
         credit_stalls{0}, rendezvous{0}, cancels_received{0},
         cancelled_calls{0}, unknown_method{0}, protocol_errors{0},
         copied_requests{0};
+    std::array<std::atomic<uint64_t>, cm::kCloseCauses> closed{};
   };
   cm::Listener* listener_ = nullptr;  // under mu_; the accept loop's
   cm::Listener::Stats final_listener_;  // under mu_; once it is gone
+  uint64_t final_stalls_ = 0;  // under mu_; StallsLocked() at shutdown
   AtomicStats stats_;
 };
 

@@ -108,6 +108,10 @@ TEST_P(PeerProcessTest, PeerProcessKilledMidRendezvous) {
     auto m = co_await (*c)->Recv();
     EXPECT_EQ(m.status().code(), absl::StatusCode::kUnavailable) << m.status();
     EXPECT_FALSE((*c)->status().ok());
+    // A killed peer is gone, not a flush error.
+    EXPECT_EQ((*c)->close_cause(), CloseCause::kPeerGone) << (*c)->status();
+    EXPECT_EQ((*c)->status().message().rfind("peer gone: ", 0), 0u)
+        << (*c)->status();
     co_await (*c)->Close();
     // The listener and the worker keep working.
     auto p = co_await t->MakePair();
@@ -169,6 +173,16 @@ TEST_P(PeerProcessTest, KeepaliveDetectsAFrozenPeer) {
         << m.status();
     EXPECT_NE(m.status().message().find("keepalive"), std::string_view::npos)
         << m.status();
+    // rxe/siw: the probes went unanswered; soft: the probe's send met the
+    // transport timer first.
+    const CloseCause cause = peer->conn->close_cause();
+    EXPECT_TRUE(cause == CloseCause::kKeepalive ||
+                (t->GetParam() == "soft" &&
+                 cause == CloseCause::kPeerUnreachable))
+        << peer->conn->status();
+    EXPECT_EQ(peer->conn->status().message().rfind(CloseCauseName(cause), 0),
+              0u)
+        << peer->conn->status();
     // 3 probes 100 ms apart after 100 ms of silence, then the verdict;
     // generous for emulation.
     EXPECT_LT(took, absl::Seconds(10));
@@ -210,6 +224,11 @@ TEST_P(PeerProcessTest, SendToAFrozenSoftPeerFailsAtTheTransportTimer) {
     // The connection is down with the first failure as its reason.
     EXPECT_NE(peer->conn->status().message().find("RETRY_EXC_ERR"),
               std::string_view::npos)
+        << peer->conn->status();
+    EXPECT_EQ(peer->conn->close_cause(), CloseCause::kPeerUnreachable);
+    EXPECT_EQ(peer->conn->status().message().rfind(
+                  "peer unreachable (transport retries exhausted): ", 0),
+              0u)
         << peer->conn->status();
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);

@@ -300,6 +300,16 @@ void Engine::CheckReactors() {
     } else {
       any = true;
     }
+    // A reactor stuck in the middle of an iteration (a handler computing
+    // or blocking) holds what that iteration owes its peers -- the ACKs of
+    // what it received, the responses it posted -- until its EndPostBatch;
+    // the peer's transport timer would fail the connection. Send them from
+    // here, as a NIC acknowledges while its host is busy. (A reactor
+    // asleep has flushed its batch: nothing is deferred then.)
+    if (it->second == kTakeReady &&
+        qp->deferred_.load(std::memory_order_relaxed)) {
+      qp->Nudge();
+    }
     // An ACK a reactor held back (EndPostBatch) a whole period ago: that
     // reactor stopped running batches; send it from here.
     if (qp->ack_held_.load(std::memory_order_relaxed)) {

@@ -1,0 +1,133 @@
+// Why a connection ended: the status a caller gets names the cause in words
+// first (CloseCauseName) with the verbs status in the detail, the same
+// scenario gives the same cause, each close is logged with it, and
+// connection ids are unique in the process. (Peer processes killed or
+// frozen: peer_process_test.cc.)
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "cm/connection.h"
+#include "core/log.h"
+#include "gtest/gtest.h"
+#include "tests/cm/cm_fixture.h"
+#include "tests/cm/test_util.h"
+
+namespace coverbs::cm {
+namespace {
+
+bool StartsWith(const absl::Status& s, const char* words) {
+  return absl::StartsWith(s.message(), words);
+}
+
+class CloseCauseTest : public CmTest {
+ public:
+  void SetUp() override {
+    CmTest::SetUp();
+    SetLogSink([this](const LogRecord& r) {
+      if (r.component != "cm") return;
+      std::lock_guard<std::mutex> lock(mu_);
+      lines_.push_back(std::string(r.message));
+    });
+  }
+  void TearDown() override {
+    CmTest::TearDown();
+    SetLogSink(nullptr);
+  }
+  // The close lines logged for connection `name`.
+  std::vector<std::string> Closes(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> out;
+    for (const std::string& l : lines_) {
+      if (absl::StartsWith(l, name + " (") &&
+          absl::StrContains(l, ") closed: ")) {
+        out.push_back(l);
+      }
+    }
+    return out;
+  }
+  std::mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+TEST_P(CloseCauseTest, OrderlyCloseIsClosedByThePeerAndClosedLocally) {
+  Run([](CloseCauseTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    EXPECT_EQ(p->client->close_cause(), CloseCause::kNone);
+    // Ids are the process's: the two ends (two Workers) differ.
+    EXPECT_NE(p->client->name(), p->server->name());
+    CO_ASSERT_OK(co_await p->client->Close());
+    auto end = co_await p->server->Recv();
+    EXPECT_TRUE(StartsWith(end.status(), "closed by the peer")) << end.status();
+    EXPECT_EQ(p->server->close_cause(), CloseCause::kPeerClosed);
+    EXPECT_TRUE(StartsWith(p->client->status(), "closed locally"))
+        << p->client->status();
+    EXPECT_EQ(p->client->close_cause(), CloseCause::kLocalClose);
+    co_await p->server->Close();
+    EXPECT_EQ(p->server->close_cause(), CloseCause::kPeerClosed);
+    // One line each, with the cause.
+    auto cl = t->Closes(p->client->name());
+    CO_ASSERT_TRUE(cl.size() == 1u);
+    EXPECT_TRUE(absl::StrContains(cl[0], "closed: closed locally")) << cl[0];
+    auto sl = t->Closes(p->server->name());
+    CO_ASSERT_TRUE(sl.size() == 1u);
+    EXPECT_TRUE(absl::StrContains(sl[0], "closed: closed by the peer"))
+        << sl[0];
+  }(this));
+}
+
+// A READ naming a key the peer never gave: the requester's connection ends
+// with a protection error, the verbs status in the detail.
+TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
+  Run([](CloseCauseTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::vector<std::byte> local(64);
+    transport::RemoteRegion bogus;
+    bogus.addr = 4096;
+    bogus.length = 64;
+    bogus.rkey = 0x5eed1234;
+    absl::Status r = co_await p->client->Read(
+        std::span<std::byte>(local.data(), local.size()), bogus);
+    EXPECT_FALSE(r.ok());
+    EXPECT_TRUE(
+        StartsWith(p->client->status(), "protection error on this connection"))
+        << p->client->status();
+    EXPECT_TRUE(absl::StrContains(p->client->status().message(),
+                                  "IBV_WC_REM_ACCESS_ERR"))
+        << p->client->status();
+    EXPECT_EQ(p->client->close_cause(), CloseCause::kProtectionError);
+    co_await Close(*p);
+  }(this));
+}
+
+// A peer that breaks the framing: "protocol violation by the peer", logged.
+TEST_P(CloseCauseTest, ProtocolViolationIsNamedAndLogged) {
+  Run([](CloseCauseTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::vector<std::byte> junk(64, std::byte{0xee});
+    junk[0] = std::byte{0x7f};  // no such message type
+    CO_ASSERT_OK(co_await SendRaw(*p->client, junk));
+    auto m = co_await p->server->Recv();
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+    EXPECT_TRUE(StartsWith(m.status(), "protocol violation by the peer: "))
+        << m.status();
+    EXPECT_EQ(p->server->close_cause(), CloseCause::kProtocolViolation);
+    auto sl = t->Closes(p->server->name());
+    CO_ASSERT_TRUE(sl.size() == 1u);
+    EXPECT_TRUE(absl::StrContains(sl[0], "protocol violation by the peer"))
+        << sl[0];
+    co_await Close(*p);
+  }(this));
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, CloseCauseTest,
+                         ::testing::ValuesIn(Providers()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace coverbs::cm
