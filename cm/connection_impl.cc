@@ -395,6 +395,7 @@ Task<absl::Status> ConnectionImpl::Close() {
   }
   closing_ = true;
   Fail(absl::UnavailableError("closed locally"));  // no-op if already down
+  exposures_.clear();  // their tokens end with the connection
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();

@@ -12,8 +12,7 @@ namespace {
 
 constexpr int kSupportedAccess =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND |
-    IBV_ACCESS_RELAXED_ORDERING;
+    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING;
 constexpr int kWindowAccess =
     IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
 
@@ -161,8 +160,7 @@ void MrTable::DropWindow(const std::shared_ptr<MrEntry>& w) {
   AccessEpoch::SynchronizeWith(*w);
 }
 
-bool MrTable::InvalidateByPeer(uint32_t rkey, uint64_t pd_id,
-                               uint64_t qp_uid) {
+bool MrTable::InvalidateByPeer(uint32_t rkey, uint64_t pd_id, uint64_t qp_uid) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   const std::shared_ptr<MrEntry>* w = rkeys_.Find(rkey);
   if (w == nullptr || !(*w)->is_window || (*w)->pd_id != pd_id ||
@@ -211,8 +209,8 @@ uint8_t MrTable::Reader::BindWindow(uint32_t rkey, uint64_t pd_id,
 std::shared_ptr<MrEntry> MrTable::Reader::UnmapWindow(uint32_t rkey,
                                                       uint64_t pd_id) const {
   const std::shared_ptr<MrEntry>* w = t_.rkeys_.Find(rkey);
-  if (!exclusive_ || w == nullptr || !(*w)->is_window ||
-      (*w)->pd_id != pd_id || (*w)->qp_uid == 0) {
+  if (!exclusive_ || w == nullptr || !(*w)->is_window || (*w)->pd_id != pd_id ||
+      (*w)->qp_uid == 0) {
     return nullptr;
   }
   std::shared_ptr<MrEntry> e = *w;

@@ -140,8 +140,8 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
     if (wr.opcode == IBV_WR_BIND_MW) {
       const ibv_mw_bind_info& b = wr.bind_mw.bind_info;
       w.status = table.BindWindow(
-          wr.bind_mw.rkey, cfg_.pd_id, b.mr != nullptr ? b.mr->lkey : 0,
-          b.addr, b.length, static_cast<int>(b.mw_access_flags), uid_);
+          wr.bind_mw.rkey, cfg_.pd_id, b.mr != nullptr ? b.mr->lkey : 0, b.addr,
+          b.length, static_cast<int>(b.mw_access_flags), uid_);
     } else if (auto e = table.UnmapWindow(wr.invalidate_rkey, cfg_.pd_id)) {
       unmapped->push_back(std::move(e));
     } else {

@@ -2,9 +2,9 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <sys/random.h>
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
+#include <sys/random.h>
 
 #include <cstdarg>
 #include <cstdio>
@@ -223,9 +223,10 @@ uint8_t NextKeyByte(uint8_t current) {
           // No random source (getrandom blocked by a seccomp policy): a
           // counter is all that is left; say so once.
           static bool logged = [] {
-            LogError("getrandom failed (%s): memory-window key bytes are "
-                     "sequential",
-                     std::strerror(errno));
+            LogError(
+                "getrandom failed (%s): memory-window key bytes are "
+                "sequential",
+                std::strerror(errno));
             return true;
           }();
           (void)logged;
