@@ -109,8 +109,14 @@ Task<absl::Status> ServeOneSided(cm::Connection* conn, const Params& p,
                      (write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
   auto mr = conn->worker().pd().Register(mem.data(), mem.size(), access);
   if (!mr.ok()) co_return mr.status();
-  auto token = conn->Expose(
-      *mr, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
+  const int remote = write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ;
+  auto token = conn->Expose(*mr, remote);
+  if (token.status().code() == absl::StatusCode::kFailedPrecondition) {
+    // No memory windows (siw): the bench's one client may have the
+    // region's PD-wide key.
+    token = conn->Expose(*mr, remote, 0, transport::MemoryRegion::npos,
+                         cm::ExposeScope::kProtectionDomain);
+  }
   if (!token.ok()) co_return token.status();
   auto enc = token->Encode();
   absl::Status s = co_await conn->Send(enc);
@@ -119,6 +125,7 @@ Task<absl::Status> ServeOneSided(cm::Connection* conn, const Params& p,
   auto done = co_await conn->Recv();
   if (!done.ok()) co_return done.status();
   // Revoke before checking: no write can land while we look.
+  conn->Revoke(*token).IgnoreError();
   mr->Deregister();
   if (write && p.verify) {
     if (done->size() != p.slots * sizeof(uint64_t)) {

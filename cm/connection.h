@@ -136,6 +136,12 @@ struct PeerInfo {
   Handshake handshake;
 };
 
+// Who may use the token Connection::Expose returns.
+enum class ExposeScope {
+  kConnection,        // this connection alone (a memory window); default
+  kProtectionDomain,  // every connection of the Worker (the region's rkey)
+};
+
 namespace internal {
 class ConnectionImpl;
 class ConnectionSetup;
@@ -260,23 +266,51 @@ class Connection {
   std::optional<Message> TryRecv();
 
   // --- One-sided.
-  // The token for `mr` (or a slice). Fails with InvalidArgument if `mr` is
-  // not registered in this connection's PD with the asked remote access
-  // (IBV_ACCESS_REMOTE_READ / _WRITE / _ATOMIC). Revocation: deregister the
-  // region; later peer accesses fail with a remote access error.
+  // The token for `mr` (or a slice) with remote `access`
+  // (IBV_ACCESS_REMOTE_READ / _WRITE / _ATOMIC), for this connection only
+  // (ExposeScope::kConnection, the default): the token's rkey is a type-2
+  // memory window bound to this connection's QP over a registration of its
+  // own, so the peer of any other connection -- one that got or guessed the
+  // token -- fails with a remote access error on its own connection, and
+  // the rkey of each exposure is fresh and unpredictable. Revoke(token),
+  // Close() or destroying the connection ends it; later accesses fail with
+  // a remote access error. Deregistering `mr` does not (the window has a
+  // registration of its own): the memory must stay valid until the
+  // exposure ended. `mr` itself needs no remote access flags (and
+  // should have none when only exposures may reach it: a region registered
+  // with remote access has its own PD-wide rkey, which every connection of
+  // the Worker could use if a peer learnt it); REMOTE_WRITE and
+  // REMOTE_ATOMIC need it registered with LOCAL_WRITE.
+  // Errors: InvalidArgument (bad access, offset, region); FailedPrecondition
+  // on a device without memory windows (siw: it cannot limit a key to one
+  // connection; the message names the device -- there, opt in to
+  // ExposeScope::kProtectionDomain explicitly); ResourceExhausted while the
+  // send queue has no free slot for the bind (retry after a send
+  // completes); the connection's status once it is down.
+  //
+  // ExposeScope::kProtectionDomain hands out `mr`'s own rkey instead: valid
+  // from every connection of the Worker (its PD) until `mr` is
+  // deregistered, for data that any peer may reach; `mr` must have been
+  // registered with the asked remote access. Revoke does not apply.
   absl::StatusOr<transport::RemoteRegion> Expose(
       const transport::MemoryRegion& mr, int access, size_t offset = 0,
-      size_t length = transport::MemoryRegion::npos);
+      size_t length = transport::MemoryRegion::npos,
+      ExposeScope scope = ExposeScope::kConnection);
   // All of `mr` with the remote access it was registered with
-  // (InvalidArgument if it has none). The token carries the region's rkey,
-  // so the peer gets exactly that access.
+  // (InvalidArgument if it has none), for this connection only.
   absl::StatusOr<transport::RemoteRegion> Expose(const transport::MemoryRegion& mr);
   // With typed flags (transport::Access::kRemoteRead, ...).
   absl::StatusOr<transport::RemoteRegion> Expose(
       const transport::MemoryRegion& mr, transport::Access access,
-      size_t offset = 0, size_t length = transport::MemoryRegion::npos) {
-    return Expose(mr, static_cast<int>(access), offset, length);
+      size_t offset = 0, size_t length = transport::MemoryRegion::npos,
+      ExposeScope scope = ExposeScope::kConnection) {
+    return Expose(mr, static_cast<int>(access), offset, length, scope);
   }
+  // Ends an exposure of this connection (its window): once this returns,
+  // no access with the token is in progress and every later one fails with
+  // a remote access error. NotFound for a token this connection did not
+  // expose (or already revoked).
+  absl::Status Revoke(const transport::RemoteRegion& token);
   Task<absl::Status> Read(transport::LocalBuffer local,
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,

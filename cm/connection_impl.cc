@@ -522,6 +522,7 @@ Task<absl::Status> ConnectionImpl::Close() {
   } else {
     Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
   }
+  exposures_.clear();  // their tokens end with the connection
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();

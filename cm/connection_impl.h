@@ -143,6 +143,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                                    size_t length, RemoteRegion r);
   Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
                                         uint64_t b);
+  // Connection::Expose (ExposeScope::kConnection) and Revoke (one_sided.cc).
+  absl::StatusOr<RemoteRegion> ExposeWindow(const MemoryRegion& mr, int access,
+                                            size_t offset, size_t length);
+  absl::Status Revoke(const RemoteRegion& token);
   Task<absl::Status> Close();
   void Abort(absl::Status why);
   // Until the peer's first message arrived (its kHello), at most until
@@ -479,6 +483,16 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   MemoryRegion atomic_mr_;
   Semaphore atomic_slots_{0};
   std::vector<uint32_t> atomic_free_;
+
+  // Exposures (one_sided.cc): each a window bound to this QP over a
+  // registration of its own (MW_BIND, no remote access), ended by Revoke,
+  // Close or destruction (the window goes before its registration).
+  struct Exposure {
+    MemoryRegion mr;
+    transport::MemoryWindow window;
+    uint32_t rkey = 0;
+  };
+  std::vector<std::unique_ptr<Exposure>> exposures_;
 
   Connection::Stats stats_;
 };

@@ -36,10 +36,14 @@ namespace {
 // WRITE's completion.
 constexpr size_t kLandingStagingBuffers = 16;
 // Grants by memory window per credit message (each is a bind WR posted with
-// it, and the batch must fit the send queue). 16: the default 32 grants go
-// in the kCreditReserve (2) credit messages that may be in flight, so a
-// sender holds them all before it sends anything.
-constexpr uint32_t kMaxBindsPerMessage = 16;
+// it, and the batch must fit the send queue: WriteGrants also caps it at
+// the send queue's depth). 32: the default 32 grants go in one credit
+// message. With 16, a second credit message of binds was often still
+// unacknowledged when a reactor went busy for long (landing_test
+// MixedSizes... builds 300 messages at once), and on soft, whose binds
+// travel as requests that the peer's reactor acknowledges, that ran into
+// the transport timer under load (issue 27 report).
+constexpr uint32_t kMaxBindsPerMessage = 32;
 
 }  // namespace
 

@@ -1,5 +1,6 @@
-// One-sided access: regions exposed as tokens, RDMA READ / WRITE and 8-byte
-// atomics straight to the QP.
+// One-sided access: regions exposed as tokens (each a memory window bound
+// to the connection's QP, or by explicit choice the region's PD-wide rkey),
+// RDMA READ / WRITE and 8-byte atomics straight to the QP.
 
 #include <algorithm>
 #include <cstring>
@@ -86,11 +87,88 @@ Task<absl::Status> ConnectionImpl::OneSidedPlain(bool read,
   co_return co_await std::move(done);
 }
 
+absl::StatusOr<RemoteRegion> ConnectionImpl::ExposeWindow(
+    const MemoryRegion& mr, int access, size_t offset, size_t length) {
+  const transport::DeviceCaps& caps = qp_->caps();
+  if (!caps.memory_windows) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "expose on %s: device %s has no type-2 memory windows, so it cannot "
+        "limit a key to one connection (a region's rkey is valid from every "
+        "QP of its protection domain); pass ExposeScope::kProtectionDomain "
+        "to hand out the region's own rkey, usable from every connection of "
+        "this Worker",
+        name_, caps.device_name));
+  }
+  if (!status_.ok() || closing_) {
+    return absl::Status(
+        status_.ok() ? absl::StatusCode::kUnavailable : status_.code(),
+        absl::StrCat("expose on ", name_, ": ",
+                     status_.ok() ? "closing" : status_.message()));
+  }
+  length = std::min(length, mr.length() - offset);
+  if (length == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expose on ", name_, ": an empty range"));
+  }
+  constexpr int kWrites = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  if ((access & kWrites) != 0 && (mr.access() & IBV_ACCESS_LOCAL_WRITE) == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "expose on %s: remote write or atomic access needs the region "
+        "registered with IBV_ACCESS_LOCAL_WRITE (it has 0x%x)",
+        name_, mr.access()));
+  }
+  // A registration of the exposed range that only windows can reach
+  // remotely (the caller's may carry remote access of its own, or no
+  // MW_BIND): what the window binds to, and what Revoke drops with it.
+  auto e = std::make_unique<Exposure>();
+  std::byte* base = static_cast<std::byte*>(mr.addr()) + offset;
+  auto reg = ctx_.pd().Register(
+      base, length,
+      IBV_ACCESS_MW_BIND | (mr.access() & IBV_ACCESS_LOCAL_WRITE));
+  if (!reg.ok()) {
+    return absl::Status(reg.status().code(),
+                        absl::StrCat("expose on ", name_,
+                                     ": registering the range for a window: ",
+                                     reg.status().message()));
+  }
+  e->mr = *std::move(reg);
+  auto window = ctx_.pd().AllocateWindow();
+  if (!window.ok()) {
+    return absl::Status(
+        window.status().code(),
+        absl::StrCat("expose on ", name_, ": ", window.status().message()));
+  }
+  e->window = *std::move(window);
+  auto rkey = qp_->PostBind(e->window, e->mr, {base, length}, access);
+  if (!rkey.ok()) {
+    return absl::Status(
+        rkey.status().code(),
+        absl::StrCat("expose on ", name_, ": ", rkey.status().message()));
+  }
+  e->rkey = *rkey;
+  exposures_.push_back(std::move(e));
+  return RemoteRegion{reinterpret_cast<uint64_t>(base), length, *rkey};
+}
+
+absl::Status ConnectionImpl::Revoke(const RemoteRegion& token) {
+  for (auto it = exposures_.begin(); it != exposures_.end(); ++it) {
+    if ((*it)->rkey == token.rkey) {
+      // Deallocating the window ends it (soft and verbs alike); its
+      // registration goes after it.
+      exposures_.erase(it);
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(absl::StrFormat(
+      "revoke on %s: rkey 0x%x is no exposure of this connection", name_,
+      token.rkey));
+}
+
 }  // namespace internal
 
 absl::StatusOr<transport::RemoteRegion> Connection::Expose(
-    const transport::MemoryRegion& mr, int access, size_t offset,
-    size_t length) {
+    const transport::MemoryRegion& mr, int access, size_t offset, size_t length,
+    ExposeScope scope) {
   constexpr int kRemote = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE |
                           IBV_ACCESS_REMOTE_ATOMIC;
   if (!mr.valid()) {
@@ -102,15 +180,18 @@ absl::StatusOr<transport::RemoteRegion> Connection::Expose(
         "expose on ", name(),
         ": access must be a non-empty set of IBV_ACCESS_REMOTE_* flags"));
   }
-  if ((mr.access() & access) != access) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "expose on %s: the region was registered with access 0x%x, which "
-        "lacks 0x%x",
-        name(), mr.access(), access & ~mr.access()));
-  }
   if (offset > mr.length()) {
     return absl::OutOfRangeError(
         absl::StrCat("expose on ", name(), ": offset beyond the region"));
+  }
+  if (scope == ExposeScope::kConnection) {
+    return impl_->ExposeWindow(mr, access, offset, length);
+  }
+  if ((mr.access() & access) != access) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "expose on %s: the region was registered with access 0x%x, which "
+        "lacks 0x%x (a PD-wide exposure is the region's own rkey)",
+        name(), mr.access(), access & ~mr.access()));
   }
   return mr.Remote(offset, length);
 }
@@ -122,9 +203,15 @@ absl::StatusOr<transport::RemoteRegion> Connection::Expose(
   if (mr.valid() && (mr.access() & kRemote) == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "expose on %s: the region was registered with access 0x%x, without "
-        "any IBV_ACCESS_REMOTE_* flag: the peer could do nothing with it",
+        "any IBV_ACCESS_REMOTE_* flag: say which access to give "
+        "(Expose(mr, access))",
         name(), mr.access()));
   }
   return Expose(mr, mr.access() & kRemote);
 }
+
+absl::Status Connection::Revoke(const transport::RemoteRegion& token) {
+  return impl_->Revoke(token);
+}
+
 }  // namespace coverbs::cm

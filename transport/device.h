@@ -64,6 +64,7 @@ enum class Access : int {
   kRemoteWrite = IBV_ACCESS_REMOTE_WRITE,  // implies kLocalWrite
   kRemoteRead = IBV_ACCESS_REMOTE_READ,
   kRemoteAtomic = IBV_ACCESS_REMOTE_ATOMIC,  // implies kLocalWrite
+  kMwBind = IBV_ACCESS_MW_BIND,  // memory windows may be bound over it
 };
 constexpr Access operator|(Access a, Access b) {
   return static_cast<Access>(static_cast<int>(a) | static_cast<int>(b));

@@ -81,9 +81,10 @@ struct DeviceCaps {
   bool enforces_remote_read = true;
   // Type-2 memory windows (ProviderPd::AllocMw, IBV_WR_BIND_MW posted on
   // the send queue): a window over part of a region registered with
-  // IBV_ACCESS_MW_BIND gets a fresh rkey per bind, usable through one QP,
-  // and ends when the peer's SEND_WITH_INV names it. rxe has them; siw and
-  // the soft provider do not.
+  // IBV_ACCESS_MW_BIND gets a fresh, unpredictable rkey per bind, usable
+  // through the QP it was bound on and no other, and ends when the peer's
+  // SEND_WITH_INV (or a LOCAL_INV) names it. soft and rxe have them; siw
+  // does not.
   bool memory_windows = false;
   // SEND_WITH_INV: a send that invalidates an rkey of the receiver.
   bool send_with_invalidate = false;
@@ -109,7 +110,8 @@ class ProviderMr {
 class ProviderMw {
  public:
   virtual ~ProviderMw() = default;  // deallocates
-  // The rkey of the last bind prepared (before any: the allocated one).
+  // The rkey of the last bind prepared (before any: the allocated one; 0
+  // on soft).
   virtual uint32_t rkey() const = 0;
   // Fills `wr` (opcode, window, region, range, access) to bind this window
   // to [addr, addr+length) of `mr` -- a region of the same provider and PD

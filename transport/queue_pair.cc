@@ -12,6 +12,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/log.h"
 #include "core/timeout.h"
@@ -414,7 +415,10 @@ void QueuePair::CancelOp(Op* op) {
     for (size_t i = 0; i < wrs.size(); ++i) {
       wrs[i].wr_id = id;
       wrs[i].sg_list = &sges[i];
-      wrs[i].num_sge = wrs[i].opcode == IBV_WR_BIND_MW ? 0 : 1;
+      wrs[i].num_sge =
+          wrs[i].opcode == IBV_WR_BIND_MW || wrs[i].opcode == IBV_WR_LOCAL_INV
+              ? 0
+              : 1;
       wrs[i].send_flags = 0;
       wrs[i].next = i + 1 < wrs.size() ? &wrs[i + 1] : nullptr;
     }
@@ -564,6 +568,41 @@ absl::Status QueuePair::PostInlineSend(std::span<const LocalBuffer> bufs) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint32_t> QueuePair::PostBind(MemoryWindow& mw,
+                                             const MemoryRegion& mr,
+                                             std::span<std::byte> range,
+                                             int access) {
+  if (!caps().memory_windows) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "window bind on QP 0x%x: %s has no type-2 memory windows", qp_num_,
+        caps().device_name));
+  }
+  if (!mw.valid() || !mr.valid()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "window bind on QP 0x%x: no window or no region", qp_num_));
+  }
+  if (!CanPostSendNow()) {
+    absl::Status why = RefuseInlineSend({});
+    return absl::Status(why.code(),
+                        absl::StrCat("window bind: ", why.message()));
+  }
+  ibv_send_wr wr{};
+  uint32_t rkey = mw.provider()->PrepareBind(
+      wr, *mr.provider(), reinterpret_cast<uint64_t>(range.data()),
+      range.size(), access);
+  // Completes into the inline sends' sink: a slot back, or the QP down.
+  wr.wr_id = inline_wr_.wr_id;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  absl::Status s = qp_->PostSend(&wr, &bad);
+  if (!s.ok()) return s;
+  --sq_free_;
+  ++inline_in_flight_;
+  ++outstanding_;
+  cq_->AddInFlight(1);
+  return rkey;
+}
+
 absl::Status QueuePair::RefuseInlineSend(
     std::span<const LocalBuffer> bufs) const {
   if (in_error_ || qp_ == nullptr) {
@@ -601,8 +640,9 @@ void QueuePair::InlineSink::OnCompletion(const ibv_wc& wc) {
   ++q->sq_free_;
   if (wc.status != IBV_WC_SUCCESS) {
     if (q->inline_error_.ok() && wc.status != IBV_WC_WR_FLUSH_ERR) {
-      q->inline_error_ = WcError(wc.status, wc.vendor_err, "inline SEND",
-                                 q->qp_num_, q->caps().device_name);
+      q->inline_error_ =
+          WcError(wc.status, wc.vendor_err, "inline SEND or window bind",
+                  q->qp_num_, q->caps().device_name);
     }
     if (!q->in_error_) {
       // RC: a failed completion means the QP is in the error state.

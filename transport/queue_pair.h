@@ -279,6 +279,10 @@ class SendBatch {
   // later SEND. Needs DeviceCaps::memory_windows (else the batch fails).
   uint32_t AddBind(MemoryWindow& mw, const MemoryRegion& mr,
                    std::span<std::byte> range, int access);
+  // Ends the bind of our window `rkey` (bound through this QP): later
+  // accesses with it fail with a remote access error. Needs
+  // DeviceCaps::memory_windows.
+  void AddLocalInvalidate(uint32_t rkey);
   // A SEND that invalidates `rkey` on the receiver (a window it bound for
   // this transfer). Needs DeviceCaps::send_with_invalidate.
   void AddSendWithInvalidate(LocalBuffer buf, uint32_t rkey);
@@ -356,6 +360,15 @@ class QueuePair final : private WrOwner {
            send_waiters_.empty();
   }
   uint32_t inline_sends_in_flight() const { return inline_in_flight_; }
+  // Binds `mw` to `range` of `mr` (registered with IBV_ACCESS_MW_BIND) with
+  // remote `access`, posted now and awaited by nobody, like
+  // PostInlineSend (same refusals; a failed bind puts the QP in the error
+  // state, its reason in inline_send_error()). Yields the window's new
+  // rkey, valid for the peer from the next WR posted on this QP (send the
+  // token there: RC ordering executes the bind first). Needs
+  // DeviceCaps::memory_windows.
+  absl::StatusOr<uint32_t> PostBind(MemoryWindow& mw, const MemoryRegion& mr,
+                                    std::span<std::byte> range, int access);
 
   // --- One-sided.
   Op Write(std::span<const LocalBuffer> bufs, RemoteRegion remote);

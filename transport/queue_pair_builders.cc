@@ -93,6 +93,14 @@ uint32_t SendBatch::AddBind(MemoryWindow& mw, const MemoryRegion& mr,
   return rkey;
 }
 
+void SendBatch::AddLocalInvalidate(uint32_t rkey) {
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_LOCAL_INV;
+  wr.invalidate_rkey = rkey;
+  wrs_.push_back(wr);
+  sges_.push_back({});  // keeps sges_[i] beside wrs_[i]; it has none
+}
+
 void SendBatch::AddSendWithInvalidate(LocalBuffer buf, uint32_t rkey) {
   ibv_send_wr wr = BatchWr(IBV_WR_SEND_WITH_INV, {}, std::nullopt);
   wr.invalidate_rkey = rkey;
@@ -220,7 +228,8 @@ QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
     spec.error = absl::InvalidArgumentError("PostBatch: the batch is empty");
   }
   for (const ibv_send_wr& wr : batch.wrs_) {
-    if ((wr.opcode == IBV_WR_BIND_MW && !caps().memory_windows) ||
+    if (((wr.opcode == IBV_WR_BIND_MW || wr.opcode == IBV_WR_LOCAL_INV) &&
+         !caps().memory_windows) ||
         (wr.opcode == IBV_WR_SEND_WITH_INV && !caps().send_with_invalidate)) {
       spec.error = absl::UnimplementedError(absl::StrFormat(
           "batch on QP 0x%x: %s does not support %s", qp_num_,

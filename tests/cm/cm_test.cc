@@ -638,15 +638,33 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     CO_ASSERT_OK(mr);
     auto bad = p->server->Expose(*mr, IBV_ACCESS_REMOTE_ATOMIC | 0x100000);
     EXPECT_FALSE(bad.ok());
+    // Scoped to the connection where the device has memory windows; siw
+    // has none and says so, so there the PD-wide key is asked for.
+    const bool windows = t->device_->caps().memory_windows;
+    const cm::ExposeScope scope = windows ? cm::ExposeScope::kConnection
+                                          : cm::ExposeScope::kProtectionDomain;
+    if (!windows) {
+      auto no = p->server->Expose(*mr);
+      EXPECT_EQ(no.status().code(), absl::StatusCode::kFailedPrecondition)
+          << no.status();
+    }
     auto tok = p->server->Expose(
-        *mr, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE);
+        *mr,
+        IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE |
+            (t->device_->caps().atomics ? IBV_ACCESS_REMOTE_ATOMIC : 0),
+        0, transport::MemoryRegion::npos, scope);
     CO_ASSERT_OK(tok);
-    // Expose(mr): the whole region with its own access -- the same token.
-    auto whole = p->server->Expose(*mr);
-    CO_ASSERT_OK(whole);
-    EXPECT_EQ(whole->rkey, tok->rkey);
-    EXPECT_EQ(whole->addr, tok->addr);
-    EXPECT_EQ(whole->length, region.size());
+    // Expose(mr): the whole region with its own access; a window of its
+    // own (another rkey) where there are windows.
+    if (windows) {
+      auto whole = p->server->Expose(*mr);
+      CO_ASSERT_OK(whole);
+      EXPECT_NE(whole->rkey, tok->rkey);
+      EXPECT_EQ(whole->addr, tok->addr);
+      EXPECT_EQ(whole->length, region.size());
+      CO_ASSERT_OK(p->server->Revoke(*whole));
+      EXPECT_EQ(p->server->Revoke(*whole).code(), absl::StatusCode::kNotFound);
+    }
     // A region with no remote access cannot be exposed.
     std::vector<std::byte> private_bytes(64);
     auto local_only = t->server_ctx_->pd().Register(
@@ -722,6 +740,7 @@ TEST_P(CmTest, ExposedRegionReadWriteAtomicsRevoke) {
     // Each operation runs on a connection of its own: the first failure
     // puts its connection in error, which would fail anything after it.
     std::vector<std::byte> snapshot = region;
+    if (windows) CO_ASSERT_OK(p->server->Revoke(*tok));
     mr->Deregister();
     std::memset(local.data(), 0x5a, local.size());
     const std::vector<std::byte> local_before = local;

@@ -3,29 +3,18 @@
 #include <infiniband/verbs.h>
 
 #include <algorithm>
-#include <chrono>
 #include <mutex>
-#include <random>
 
 #include "absl/strings/str_format.h"
 
 namespace coverbs::transport::soft {
 namespace {
 
-// A bijection on 32-bit integers (lowbias32): consecutive counters map to
-// scattered keys that do not repeat until the counter wraps.
-uint32_t Mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
 constexpr int kSupportedAccess =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_RELAXED_ORDERING;
+    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING;
+constexpr int kWindowAccess =
+    IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
 
 // Odd while the progress thread is inside its access window.
 std::atomic<uint64_t> g_epoch{0};
@@ -88,22 +77,16 @@ MrTable& MrTable::Get() {
   return *table;
 }
 
-MrTable::MrTable() {
-  std::random_device rd;
-  counter_ =
-      rd() ^ static_cast<uint32_t>(
-                 std::chrono::steady_clock::now().time_since_epoch().count());
-  first_counter_ = counter_;
-}
+MrTable::MrTable() = default;
 
 uint32_t MrTable::NextKey() {
   for (;;) {
-    uint32_t k = Mix(counter_++);
-    if (counter_ == first_counter_) wrapped_ = true;
-    // Mix is a bijection: until the counter wraps, no key can be in use
-    // (two lookups per key saved on every registration).
-    if (k != 0 && (!wrapped_ ||
-                   (lkeys_.Find(k) == nullptr && rkeys_.Find(k) == nullptr))) {
+    // Unpredictable, not a permutation: a key may repeat one handed out
+    // before, so it is checked against the keys in use (two lookups of a
+    // fresh key, which mostly land on an empty slot). A peer holding a
+    // stale rkey hits a reissued key with the odds of guessing one.
+    uint32_t k = keys_.Next();
+    if (k != 0 && lkeys_.Find(k) == nullptr && rkeys_.Find(k) == nullptr) {
       return k;
     }
   }
@@ -152,6 +135,92 @@ void MrTable::Deregister(const std::shared_ptr<MrEntry>& mr) {
   }
   mr->valid.store(false);
   AccessEpoch::SynchronizeWith(*mr);
+}
+
+std::shared_ptr<MrEntry> MrTable::ReserveWindow(uint64_t pd_id) {
+  auto w = std::make_shared<MrEntry>();
+  w->pd_id = pd_id;
+  w->is_window = true;
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  w->rkey = NextKey();
+  rkeys_.Insert(w->rkey, w);
+  return w;
+}
+
+void MrTable::DropWindow(const std::shared_ptr<MrEntry>& w) {
+  bool ended_by_peer;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    const std::shared_ptr<MrEntry>* cur = rkeys_.Find(w->rkey);
+    if (cur != nullptr && cur->get() == w.get()) rkeys_.Erase(w->rkey);
+    ended_by_peer = w->ended_by_peer;
+  }
+  if (ended_by_peer || !w->valid.load()) return;
+  w->valid.store(false);
+  AccessEpoch::SynchronizeWith(*w);
+}
+
+bool MrTable::InvalidateByPeer(uint32_t rkey, uint64_t pd_id, uint64_t qp_uid) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  const std::shared_ptr<MrEntry>* w = rkeys_.Find(rkey);
+  if (w == nullptr || !(*w)->is_window || (*w)->pd_id != pd_id ||
+      (*w)->qp_uid != qp_uid || qp_uid == 0) {
+    return false;
+  }
+  // Stays valid: a READ response it admitted earlier may still be queued.
+  (*w)->ended_by_peer = true;
+  rkeys_.Erase(rkey);
+  return true;
+}
+
+uint8_t MrTable::Reader::BindWindow(uint32_t rkey, uint64_t pd_id,
+                                    uint32_t mr_lkey, uint64_t addr,
+                                    uint64_t length, int access,
+                                    uint64_t qp_uid) const {
+  const std::shared_ptr<MrEntry>* w = t_.rkeys_.Find(rkey);
+  const std::shared_ptr<MrEntry>* mr = t_.lkeys_.Find(mr_lkey);
+  if (!exclusive_ || w == nullptr || mr == nullptr || qp_uid == 0) {
+    return IBV_WC_MW_BIND_ERR;
+  }
+  MrEntry& e = **w;
+  const MrEntry& m = **mr;
+  // A reserved, never bound window entry (each bind has its own).
+  if (!e.is_window || e.pd_id != pd_id || e.qp_uid != 0 || e.parent ||
+      !e.valid.load()) {
+    return IBV_WC_MW_BIND_ERR;
+  }
+  if (m.pd_id != pd_id || (m.access & IBV_ACCESS_MW_BIND) == 0 ||
+      !m.valid.load() || !m.Covers(addr, length)) {
+    return IBV_WC_MW_BIND_ERR;
+  }
+  if ((access & ~kWindowAccess) != 0 ||
+      ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0 &&
+       (m.access & IBV_ACCESS_LOCAL_WRITE) == 0)) {
+    return IBV_WC_MW_BIND_ERR;
+  }
+  e.addr = reinterpret_cast<char*>(addr);
+  e.length = length;
+  e.access = access;
+  e.parent = *mr;
+  e.qp_uid = qp_uid;
+  return IBV_WC_SUCCESS;
+}
+
+std::shared_ptr<MrEntry> MrTable::Reader::UnmapWindow(uint32_t rkey,
+                                                      uint64_t pd_id) const {
+  const std::shared_ptr<MrEntry>* w = t_.rkeys_.Find(rkey);
+  if (!exclusive_ || w == nullptr || !(*w)->is_window || (*w)->pd_id != pd_id ||
+      (*w)->qp_uid == 0) {
+    return nullptr;
+  }
+  std::shared_ptr<MrEntry> e = *w;
+  t_.rkeys_.Erase(rkey);
+  return e;
+}
+
+uint64_t NewQpUid() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
 }
 
 const std::shared_ptr<MrEntry>* MrTable::Reader::FindLkey(uint32_t key) const {

@@ -13,17 +13,31 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "transport/soft/key_prf.h"
 
 namespace coverbs::transport::soft {
 
-// One registered region. Immutable except `valid`.
+// One registered region, or one bind of a type-2 memory window (an rkey
+// alone, usable through one QP). A region is immutable except `valid`; a
+// window's fields are set once, by its bind, under the table's exclusive
+// lock, and read under its shared lock (CheckRemote) or after a check that
+// found them bound.
 struct MrEntry {
   char* addr = nullptr;
   size_t length = 0;
   int access = 0;
   uint64_t pd_id = 0;
-  uint32_t lkey = 0;
+  uint32_t lkey = 0;  // 0 for a window (it has no local key)
   uint32_t rkey = 0;
+  // Windows: the region the bind covers (its memory's owner: a window is
+  // usable only while it is), and the QP it is bound to (QpCore::uid(), 0
+  // while unbound). Null / 0 for a region.
+  std::shared_ptr<MrEntry> parent;
+  uint64_t qp_uid = 0;
+  bool is_window = false;
+  // The peer ended the bind (SEND_WITH_INV) after its last access through
+  // it, in the order of that QP's stream: nothing is left to wait for.
+  bool ended_by_peer = false;
   // Cleared by deregistration; the progress thread checks it inside its
   // access window before each use of the memory (Usable()).
   std::atomic<bool> valid{true};
@@ -37,6 +51,10 @@ struct MrEntry {
   // What a thread inside an access window calls before touching the
   // memory: stamps the progress thread's window, then reads `valid`.
   inline bool Usable() const;
+  // `valid`, and the parent's for a window (no stamp: for pinned uses).
+  bool Live() const {
+    return valid.load() && (parent == nullptr || parent->valid.load());
+  }
 
   bool Covers(uint64_t a, uint64_t len) const {
     uint64_t base = reinterpret_cast<uintptr_t>(addr);
@@ -59,20 +77,23 @@ class MrPin {
   MrPin& operator=(const MrPin&) = delete;
 
   // Pins, then reads `valid` (both seq-cst, against Deregister's store
-  // then load); false, and nothing held, when it is no longer valid.
+  // then load); false, and nothing held, when it is no longer valid. A
+  // window pins its region too: deregistering that waits as well.
   bool Pin(const std::shared_ptr<MrEntry>& e) {
     Reset();
     e->pins.fetch_add(1);
-    if (!e->valid.load()) {
-      e->pins.fetch_sub(1);
+    if (e->parent != nullptr) e->parent->pins.fetch_add(1);
+    e_ = e;
+    if (!e->Live()) {
+      Reset();
       return false;
     }
-    e_ = e;
     return true;
   }
   // After the last access to the memory.
   void Reset() {
     if (e_ != nullptr) {
+      if (e_->parent != nullptr) e_->parent->pins.fetch_sub(1);
       e_->pins.fetch_sub(1);
       e_.reset();
     }
@@ -120,18 +141,59 @@ class MrTable {
   // thread is outside any access window that may have seen it valid.
   void Deregister(const std::shared_ptr<MrEntry>& mr);
 
-  // Lookups (nullptr when absent). Lock the table once for a batch.
+  // --- Type-2 memory windows (soft_mw.cc). Each bind is an entry of its
+  // own with a fresh rkey, reserved here (unbound: no QP can use it) before
+  // the bind work request that names it is posted.
+  std::shared_ptr<MrEntry> ReserveWindow(uint64_t pd_id);
+  // Ends `w` (a reserved or bound window): its rkey stops matching and,
+  // unless the peer ended it, waits like Deregister until no access
+  // window may still use it. Idempotent.
+  void DropWindow(const std::shared_ptr<MrEntry>& w);
+  // The peer's SEND_WITH_INV, on the progress thread: ends the window
+  // `rkey` if it is bound to QP `qp_uid` of PD `pd_id`; false otherwise (the
+  // request is invalid). No wait: only that QP's stream could use it, and
+  // every earlier access on it is placed.
+  bool InvalidateByPeer(uint32_t rkey, uint64_t pd_id, uint64_t qp_uid);
+
+  // Lookups (nullptr when absent). Lock the table once for a batch;
+  // exclusively for one that binds or invalidates windows.
   class Reader {
    public:
-    explicit Reader(MrTable& t) : t_(t) { t_.mu_.lock_shared(); }
-    ~Reader() { t_.mu_.unlock_shared(); }
+    explicit Reader(MrTable& t, bool exclusive = false)
+        : t_(t), exclusive_(exclusive) {
+      if (exclusive_) {
+        t_.mu_.lock();
+      } else {
+        t_.mu_.lock_shared();
+      }
+    }
+    ~Reader() {
+      if (exclusive_) {
+        t_.mu_.unlock();
+      } else {
+        t_.mu_.unlock_shared();
+      }
+    }
     Reader(const Reader&) = delete;
     Reader& operator=(const Reader&) = delete;
     const std::shared_ptr<MrEntry>* FindLkey(uint32_t key) const;
     const std::shared_ptr<MrEntry>* FindRkey(uint32_t key) const;
+    // Exclusive readers only. IBV_WR_BIND_MW: binds the reserved window
+    // `rkey` of PD `pd_id` to [addr, addr+length) of the region whose lkey
+    // is `mr_lkey` (same PD, registered with IBV_ACCESS_MW_BIND) with
+    // remote `access`, for QP `qp_uid`. IBV_WC_SUCCESS or
+    // IBV_WC_MW_BIND_ERR.
+    uint8_t BindWindow(uint32_t rkey, uint64_t pd_id, uint32_t mr_lkey,
+                       uint64_t addr, uint64_t length, int access,
+                       uint64_t qp_uid) const;
+    // IBV_WR_LOCAL_INV: unmaps the window `rkey` bound in PD `pd_id` and
+    // returns it (the caller ends it with DropWindow once the lock is
+    // released); null if `rkey` names no bound window of the PD.
+    std::shared_ptr<MrEntry> UnmapWindow(uint32_t rkey, uint64_t pd_id) const;
 
    private:
     MrTable& t_;
+    const bool exclusive_;
   };
 
  private:
@@ -141,12 +203,14 @@ class MrTable {
   // std (pthread) locks rather than absl::Mutex: the system's prebuilt absl is
   // not instrumented for ThreadSanitizer.
   std::shared_mutex mu_;
-  MrKeyTable lkeys_;        // mu_
-  MrKeyTable rkeys_;        // mu_
-  uint32_t counter_;        // mu_
-  uint32_t first_counter_;  // counter_ at start
-  bool wrapped_ = false;    // mu_; counter_ came round to first_counter_
+  MrKeyTable lkeys_;  // mu_
+  MrKeyTable rkeys_;  // mu_
+  KeyStream keys_;    // mu_
 };
+
+// A process-wide identity for a QP, never reused (window binds name it: a
+// QP number can come back after its QP is gone).
+uint64_t NewQpUid();
 
 // The data-path access windows. The progress thread calls Enter() before it
 // touches registered memory and Exit() before it sleeps; there is at most one
@@ -183,7 +247,9 @@ bool MrEntry::Usable() const {
       w != 0 && seen_in.load(std::memory_order_relaxed) != w) {
     seen_in.store(w);
   }
-  return valid.load();
+  // A window's memory is its region's: both must be usable (and both are
+  // stamped, so that either's end waits for this use).
+  return valid.load() && (parent == nullptr || parent->Usable());
 }
 
 }  // namespace coverbs::transport::soft

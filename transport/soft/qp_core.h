@@ -83,6 +83,8 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
 
   uint64_t id() const { return id_; }
   uint32_t qp_num() const { return cfg_.qp_num; }
+  // What memory-window binds name (NewQpUid): unique for the process's life.
+  uint64_t uid() const { return uid_; }
   uint64_t pd_id() const { return cfg_.pd_id; }
   uint32_t max_send_wr() const { return sq_cap_; }
   uint32_t max_recv_wr() const { return rq_ ? rq_->capacity() : 0; }
@@ -175,7 +177,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
     bool pinned = false;  // mr is held by an MrPin
 
     bool Usable() const {
-      return mr == nullptr || (pinned ? mr->valid.load() : mr->Usable());
+      return mr == nullptr || (pinned ? mr->Live() : mr->Usable());
     }
   };
   struct Seg {
@@ -187,8 +189,12 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
 
   // Application side.
   absl::Status CheckSendWr(const ibv_send_wr& wr) const;
+  // Window binds and local invalidations take effect here, at post (the
+  // table is then locked exclusively); LOCAL_INV's windows are appended to
+  // `unmapped`, for the caller to end once the table is unlocked.
   void FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
-                   uint64_t index);
+                   uint64_t index,
+                   std::vector<std::shared_ptr<MrEntry>>* unmapped);
   void Kick();
   friend void EndPostBatch();
   // Transmits what the send ring and the response ring hold from the
@@ -243,8 +249,9 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void RespondError(uint8_t nak_status, const std::string& why);
   void QueueAck(uint64_t seq);
   void QueueCtrl(Ctrl c);
+  // `inv`: the SEND invalidated the rkey `imm_data` (IBV_WC_WITH_INV).
   void PushRecvWc(uint8_t status, ibv_wc_opcode op, uint32_t len, bool imm,
-                  uint32_t imm_data);
+                  uint32_t imm_data, bool inv = false);
   void ProtocolError(const std::string& why);
 
   // Progress thread: requester.
@@ -278,6 +285,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   const std::weak_ptr<Engine> engine_weak_;
   const uint64_t id_;
   const QpConfig cfg_;
+  const uint64_t uid_ = NewQpUid();
   const uint32_t sq_cap_;
   const uint32_t max_send_sge_;
   const uint32_t max_inline_;

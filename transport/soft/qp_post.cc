@@ -45,7 +45,17 @@ absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
     case IBV_WR_RDMA_READ:
     case IBV_WR_ATOMIC_CMP_AND_SWP:
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
+    case IBV_WR_SEND_WITH_INV:
       break;
+    case IBV_WR_BIND_MW:
+    case IBV_WR_LOCAL_INV:
+      // No data: the SGE list is not read.
+      if ((wr.send_flags & IBV_SEND_INLINE) != 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "soft: post send on qp %u: IBV_SEND_INLINE on a %s (EINVAL)",
+            qp_num(), wr.opcode == IBV_WR_BIND_MW ? "BIND_MW" : "LOCAL_INV"));
+      }
+      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(absl::StrFormat(
           "soft: post send on qp %u: opcode %d not supported (EINVAL)",
@@ -92,7 +102,8 @@ absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
 }
 
 void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
-                         uint64_t index) {
+                         uint64_t index,
+                         std::vector<std::shared_ptr<MrEntry>>* unmapped) {
   size_t i = index % sq_cap_;
   SendWqe& w = sq_[i];
   w.wr_id = wr.wr_id;
@@ -116,6 +127,27 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
     w.rkey = wr.wr.atomic.rkey;
     w.compare_add = wr.wr.atomic.compare_add;
     w.swap = wr.wr.atomic.swap;
+  } else if (wr.opcode == IBV_WR_SEND_WITH_INV) {
+    w.rkey = wr.invalidate_rkey;
+  } else if (wr.opcode == IBV_WR_BIND_MW || wr.opcode == IBV_WR_LOCAL_INV) {
+    // Done now, in posting order with the other binds and invalidations of
+    // the QP (a QP in error flushes the WR instead). The WR still goes
+    // down the send queue, as an empty WRITE that only takes the next
+    // sequence number, and completes in order like any other.
+    w.num_sge = 0;
+    w.total = 0;
+    if (state_.load(std::memory_order_acquire) != IBV_QPS_RTS) return;
+    if (wr.opcode == IBV_WR_BIND_MW) {
+      const ibv_mw_bind_info& b = wr.bind_mw.bind_info;
+      w.status = table.BindWindow(
+          wr.bind_mw.rkey, cfg_.pd_id, b.mr != nullptr ? b.mr->lkey : 0, b.addr,
+          b.length, static_cast<int>(b.mw_access_flags), uid_);
+    } else if (auto e = table.UnmapWindow(wr.invalidate_rkey, cfg_.pd_id)) {
+      unmapped->push_back(std::move(e));
+    } else {
+      w.status = IBV_WC_LOC_PROT_ERR;
+    }
+    return;
   } else if (wr.opcode != IBV_WR_SEND && wr.opcode != IBV_WR_SEND_WITH_IMM) {
     w.remote_addr = wr.wr.rdma.remote_addr;
     w.rkey = wr.wr.rdma.rkey;
@@ -164,8 +196,15 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
   }
   absl::Status status;
   bool posted = false;
+  // Binds and invalidations change the table: lock it exclusively for such
+  // a list (one scan of the opcodes first).
+  bool windows = false;
+  for (const ibv_send_wr* w = wr; w != nullptr && !windows; w = w->next) {
+    windows = w->opcode == IBV_WR_BIND_MW || w->opcode == IBV_WR_LOCAL_INV;
+  }
+  std::vector<std::shared_ptr<MrEntry>> unmapped;
   {
-    MrTable::Reader table(MrTable::Get());
+    MrTable::Reader table(MrTable::Get(), windows);
     std::lock_guard<std::mutex> lock(mu_);
     for (; wr != nullptr; wr = wr->next) {
       status = CheckSendWr(*wr);
@@ -178,11 +217,14 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
         if (bad) *bad = wr;
         break;
       }
-      FillSendWqe(table, *wr, sq_head_);
+      FillSendWqe(table, *wr, sq_head_, &unmapped);
       ++sq_head_;
       posted = true;
     }
   }
+  // Outside the table lock: ending a window may wait for the progress
+  // thread, which takes that lock.
+  for (const auto& e : unmapped) MrTable::Get().DropWindow(e);
   if (posted) {
     if (t_batch.depth > 0) {
       if (!deferred_.exchange(true)) {

@@ -36,6 +36,8 @@ uint8_t QpCore::CheckRemote(uint32_t rkey, uint64_t addr, uint64_t len,
       !e.Covers(addr, len)) {
     return IBV_WC_REM_ACCESS_ERR;
   }
+  // A window serves the QP it is bound to and no other.
+  if (e.is_window && e.qp_uid != uid_) return IBV_WC_REM_ACCESS_ERR;
   if (pin != nullptr) {
     return pin->Pin(*mr) ? IBV_WC_SUCCESS : IBV_WC_REM_ACCESS_ERR;
   }
@@ -70,7 +72,7 @@ void QpCore::RespondError(uint8_t nak_status, const std::string& why) {
 }
 
 void QpCore::PushRecvWc(uint8_t status, ibv_wc_opcode op, uint32_t len,
-                        bool imm, uint32_t imm_data) {
+                        bool imm, uint32_t imm_data, bool inv) {
   ibv_wc wc{};
   wc.wr_id = cur_recv_.wr_id;
   wc.status = static_cast<ibv_wc_status>(status);
@@ -81,6 +83,9 @@ void QpCore::PushRecvWc(uint8_t status, ibv_wc_opcode op, uint32_t len,
   if (imm) {
     wc.wc_flags = IBV_WC_WITH_IMM;
     wc.imm_data = imm_data;
+  } else if (inv) {
+    wc.wc_flags = IBV_WC_WITH_INV;
+    wc.invalidated_rkey = imm_data;
   }
   have_cur_recv_ = false;
   for (uint32_t k = 0; k < cur_recv_.num_sge; ++k) cur_recv_.mr[k].reset();
@@ -343,6 +348,23 @@ void QpCore::FinishFrame() {
       if (rx_err_) {
         RecvFailed(IBV_WC_LOC_PROT_ERR, IBV_WC_REM_OP_ERR,
                    "receive buffer deregistered while a SEND landed in it");
+        return;
+      }
+      if ((h.flags & wire::kFlagInvalidate) != 0) {
+        // Only a window bound to this QP: another QP's, or a region, is an
+        // invalid request (as rxe).
+        if (h.opcode != wire::kSend ||
+            !MrTable::Get().InvalidateByPeer(h.rkey, cfg_.pd_id, uid_)) {
+          RecvFailed(IBV_WC_REM_INV_REQ_ERR, IBV_WC_REM_INV_REQ_ERR,
+                     absl::StrFormat("SEND_WITH_INV of rkey 0x%x, not a "
+                                     "window bound to this QP",
+                                     h.rkey));
+          return;
+        }
+        ++expected_seq_;
+        QueueAck(h.seq);
+        PushRecvWc(IBV_WC_SUCCESS, IBV_WC_RECV, h.payload_len, false, h.rkey,
+                   true);
         return;
       }
       ++expected_seq_;

@@ -233,6 +233,15 @@ bool QpCore::Build() {
         h.opcode = wire::kSendImm;
         h.imm = w.imm;
         break;
+      case IBV_WR_SEND_WITH_INV:
+        h.opcode = wire::kSend;
+        h.flags |= wire::kFlagInvalidate;  // h.rkey: the window to end
+        break;
+      case IBV_WR_BIND_MW:
+      case IBV_WR_LOCAL_INV:
+        // Done at post (qp_post.cc); an empty WRITE keeps the sequence.
+        h.opcode = wire::kWrite;
+        break;
       case IBV_WR_RDMA_WRITE:
         h.opcode = wire::kWrite;
         break;

@@ -20,6 +20,7 @@
 #include "transport/soft/mr_table.h"
 #include "transport/soft/qp_core.h"
 #include "transport/soft/queues.h"
+#include "transport/soft/soft_mw.h"
 
 namespace coverbs::transport {
 namespace soft {
@@ -52,6 +53,8 @@ DeviceCaps SoftCaps() {
   c.write_with_imm = true;
   c.send_with_imm = true;
   c.active_side_sends_first = false;
+  c.memory_windows = true;  // soft_mw.h
+  c.send_with_invalidate = true;
   return c;
 }
 
@@ -147,6 +150,10 @@ class SoftPd : public ProviderPd {
     }
     return std::make_unique<SoftSrq>(
         std::make_shared<RecvQueue>(max_wr, max_sge, id_));
+  }
+
+  absl::StatusOr<std::unique_ptr<ProviderMw>> AllocMw() override {
+    return NewSoftMw(id_);
   }
 
   uint64_t id() const { return id_; }

@@ -44,6 +44,9 @@ enum Opcode : uint8_t {
 };
 
 inline constexpr uint8_t kFlagSolicited = 1;
+// A SEND that invalidates the responder's memory window `rkey`
+// (IBV_WR_SEND_WITH_INV).
+inline constexpr uint8_t kFlagInvalidate = 2;
 
 struct Header {
   uint8_t opcode = 0;

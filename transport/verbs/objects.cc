@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
+#include <sys/random.h>
 
 #include <cstdarg>
 #include <cstdio>
@@ -204,6 +205,41 @@ absl::StatusOr<std::unique_ptr<ProviderMr>> VerbsPd::RegisterMemory(
 
 namespace {
 
+// A key byte for a window's next bind, unpredictable to a peer and never
+// the current one. Why not ibv_inc_rkey: it counts, so from one rkey a peer
+// knows every later bind's. Bytes come from getrandom(2), 64 at a time
+// per thread (binds are on the landing path).
+uint8_t NextKeyByte(uint8_t current) {
+  thread_local uint8_t pool[64];
+  thread_local size_t left = 0;
+  for (;;) {
+    if (left == 0) {
+      size_t got = 0;
+      while (got < sizeof(pool)) {
+        ssize_t r = getrandom(pool + got, sizeof(pool) - got, 0);
+        if (r > 0) {
+          got += static_cast<size_t>(r);
+        } else if (r < 0 && errno != EINTR) {
+          // No random source (getrandom blocked by a seccomp policy): a
+          // counter is all that is left; say so once.
+          static bool logged = [] {
+            LogError(
+                "getrandom failed (%s): memory-window key bytes are "
+                "sequential",
+                std::strerror(errno));
+            return true;
+          }();
+          (void)logged;
+          return static_cast<uint8_t>(current + 1);
+        }
+      }
+      left = sizeof(pool);
+    }
+    uint8_t b = pool[--left];
+    if (b != current) return b;
+  }
+}
+
 class VerbsMw : public ProviderMw {
  public:
   VerbsMw(std::shared_ptr<PdCore> pd, ibv_mw* mw)
@@ -221,10 +257,11 @@ class VerbsMw : public ProviderMw {
     // refuses the bind unless it is the window's current one (the last
     // bind's, which has executed by now: a window is bound again only after
     // the peer invalidated it); the new rkey keeps the index (upper 24
-    // bits) and moves the key byte on, so that an rkey a peer kept from an
-    // earlier bind no longer matches.
+    // bits) and takes a fresh random key byte (ibv_inc_rkey's rule, with a
+    // random step), so that an rkey a peer kept from an earlier bind no
+    // longer matches and the next one cannot be told from this one.
     mw_->rkey = rkey_;
-    rkey_ = ibv_inc_rkey(rkey_);
+    rkey_ = (rkey_ & 0xffffff00U) | NextKeyByte(static_cast<uint8_t>(rkey_));
     wr.opcode = IBV_WR_BIND_MW;
     wr.bind_mw.mw = mw_;
     wr.bind_mw.rkey = rkey_;

@@ -15,10 +15,12 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "transport/soft/key_prf.h"
 
 namespace coverbs::transport::soft {
 namespace {
@@ -242,6 +244,117 @@ TEST_F(MrTableTest, KeysLeaveTheTable) {
   MrTable::Reader r(MrTable::Get());
   EXPECT_EQ(r.FindLkey(lkey), nullptr);
   EXPECT_EQ(r.FindRkey(rkey), nullptr);
+}
+
+// The reference construction: the published SipHash-2-4 vector for the
+// 8-byte message 00..07 under the key 00..0f.
+TEST(KeyPrfTest, SipHash24MatchesTheReferenceVector) {
+  EXPECT_EQ(SipHash24(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL,
+                      0x0706050403020100ULL),
+            0x93f5f5799a932462ULL);
+}
+
+// Each stream draws its own secret: two of them do not agree.
+TEST(KeyPrfTest, StreamsHaveSecretsOfTheirOwn) {
+  KeyStream a, b;
+  int same = 0;
+  for (int i = 0; i < 64; ++i) same += a.Next() == b.Next();
+  EXPECT_LT(same, 2);
+}
+
+// Keys of live registrations never collide and are never 0, and every bit
+// of them is as often 1 as 0 (nothing like a counter shows through).
+TEST_F(MrTableTest, KeysAreUniqueNonZeroAndBalanced) {
+  std::vector<std::shared_ptr<MrEntry>> live;
+  std::set<uint32_t> keys;
+  int ones[32] = {};
+  constexpr int kRegions = 4096;
+  for (int i = 0; i < kRegions; ++i) {
+    live.push_back(Register());
+    for (uint32_t k : {live.back()->lkey, live.back()->rkey}) {
+      ASSERT_NE(k, 0u);
+      ASSERT_TRUE(keys.insert(k).second) << "key 0x" << std::hex << k;
+      for (int b = 0; b < 32; ++b) ones[b] += (k >> b) & 1;
+    }
+  }
+  for (int b = 0; b < 32; ++b) {
+    // 8192 keys: 10% off half is more than 12 standard deviations.
+    EXPECT_NEAR(ones[b], kRegions, kRegions / 10) << "bit " << b;
+  }
+  for (auto& e : live) MrTable::Get().Deregister(e);
+}
+
+// A window's rkey reaches memory only once bound, and only as bound: to
+// the QP named, within the range and access given; the peer's invalidation
+// must come through that QP; dropping it ends it.
+TEST_F(MrTableTest, WindowBindScopesTheKey) {
+  auto mr = MrTable::Get().Register(
+      1, buf_.data(), buf_.size(), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  auto no_bind = Register();  // LOCAL_WRITE | REMOTE_WRITE, no MW_BIND
+  auto w = MrTable::Get().ReserveWindow(1);
+  ASSERT_NE(w->rkey, 0u);
+  const uint64_t base = reinterpret_cast<uint64_t>(buf_.data());
+  {
+    MrTable::Reader t(MrTable::Get(), true);
+    // Refused: another PD, a region without MW_BIND, beyond the region.
+    EXPECT_EQ(t.BindWindow(w->rkey, 2, (*mr)->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_WRITE, 7),
+              IBV_WC_MW_BIND_ERR);
+    EXPECT_EQ(t.BindWindow(w->rkey, 1, no_bind->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_WRITE, 7),
+              IBV_WC_MW_BIND_ERR);
+    EXPECT_EQ(t.BindWindow(w->rkey, 1, (*mr)->lkey, base, buf_.size() + 1,
+                           IBV_ACCESS_REMOTE_WRITE, 7),
+              IBV_WC_MW_BIND_ERR);
+    EXPECT_EQ(t.BindWindow(w->rkey, 1, (*mr)->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_WRITE, 7),
+              IBV_WC_SUCCESS);
+    // Bound once: a second bind of the same entry is refused.
+    EXPECT_EQ(t.BindWindow(w->rkey, 1, (*mr)->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_WRITE, 8),
+              IBV_WC_MW_BIND_ERR);
+    const std::shared_ptr<MrEntry>* e = t.FindRkey(w->rkey);
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ((*e)->qp_uid, 7u);
+    EXPECT_TRUE((*e)->Covers(base, 64));
+    EXPECT_FALSE((*e)->Covers(base, 65));
+  }
+  EXPECT_FALSE(MrTable::Get().InvalidateByPeer(w->rkey, 1, 8));
+  EXPECT_FALSE(MrTable::Get().InvalidateByPeer(w->rkey, 2, 7));
+  EXPECT_TRUE(MrTable::Get().InvalidateByPeer(w->rkey, 1, 7));
+  {
+    MrTable::Reader t(MrTable::Get());
+    EXPECT_EQ(t.FindRkey(w->rkey), nullptr);
+  }
+  MrTable::Get().DropWindow(w);  // after the peer's: nothing to wait for
+  // A second window, ended by dropping it (deallocation, LOCAL_INV).
+  auto w2 = MrTable::Get().ReserveWindow(1);
+  {
+    MrTable::Reader t(MrTable::Get(), true);
+    ASSERT_EQ(t.BindWindow(w2->rkey, 1, (*mr)->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_READ, 9),
+              IBV_WC_SUCCESS);
+  }
+  MrTable::Get().DropWindow(w2);
+  EXPECT_FALSE(w2->Live());
+  {
+    MrTable::Reader t(MrTable::Get());
+    EXPECT_EQ(t.FindRkey(w2->rkey), nullptr);
+  }
+  // A window lives only as long as its region.
+  auto w3 = MrTable::Get().ReserveWindow(1);
+  {
+    MrTable::Reader t(MrTable::Get(), true);
+    ASSERT_EQ(t.BindWindow(w3->rkey, 1, (*mr)->lkey, base, 64,
+                           IBV_ACCESS_REMOTE_READ, 9),
+              IBV_WC_SUCCESS);
+  }
+  EXPECT_TRUE(w3->Live());
+  MrTable::Get().Deregister(*mr);
+  EXPECT_FALSE(w3->Live());
+  MrTable::Get().DropWindow(w3);
+  MrTable::Get().Deregister(no_bind);
 }
 
 }  // namespace
