@@ -8,6 +8,8 @@
 //    no copy (as a handler's argument it is valid while the handler runs;
 //    not as a client's result, which must own its bytes).
 //  - std::string: the bytes.
+//  - transport::RemoteRegion (a token from Expose): its 20-byte encoding,
+//    validated on decode.
 //  - protobuf messages (anything with SerializeToString / ParseFromArray /
 //    ByteSizeLong): the message's wire format. No protobuf dependency here:
 //    the program that uses messages links libprotobuf.
@@ -52,6 +54,7 @@
 #include "absl/strings/str_cat.h"
 #include "msgpack.hpp"
 #include "rpc/payload.h"
+#include "transport/device.h"
 
 namespace coverbs::rpc {
 
@@ -144,8 +147,20 @@ struct Codec<std::string> {
   static void Encode(const std::string& v, std::string& out) { out.append(v); }
 };
 
+template <>
+struct Codec<transport::RemoteRegion> {
+  static absl::StatusOr<transport::RemoteRegion> Decode(
+      std::span<const std::byte> b) {
+    return transport::RemoteRegion::Decode(b);
+  }
+  static void Encode(const transport::RemoteRegion& v, std::string& out) {
+    auto e = v.Encode();
+    out.append(reinterpret_cast<const char*>(e.data()), e.size());
+  }
+};
+
 template <TrivialMessage T>
-struct Codec<T> {
+requires(!std::is_same_v<T, transport::RemoteRegion>) struct Codec<T> {
   static absl::StatusOr<T> Decode(std::span<const std::byte> b) {
     if (b.size() != sizeof(T)) {
       return absl::InvalidArgumentError(
