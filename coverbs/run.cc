@@ -118,6 +118,7 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
     sigwait(&stop, &sig);
     COVERBS_LOG(kInfo, "run", "signal %d: shutting down", sig);
     server.Shutdown();
+    while (!kept.empty()) kept.pop_back();  // newest first
     rc = 0;
   } while (false);
 

@@ -61,8 +61,9 @@ struct ServeContext {
   // ctx.connection().worker().pd()).
   transport::ProtectionDomain& pd;
   cm::WorkerPool& pool;
-  // Kept alive until the server has shut down, then released before the
-  // pool and the PD go (regions registered here, a metrics exporter).
+  // Kept alive until the server has shut down, then released (newest
+  // first) before the pool and the PD go: buffers, then their regions, a
+  // metrics exporter.
   std::vector<std::shared_ptr<void>>& keep;
 };
 

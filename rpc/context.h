@@ -74,8 +74,9 @@ class Context {
     return conn_->Expose(mr, access, offset, length);
   }
 
-  // Keeps `owner` alive until the connection has closed (then releases it
-  // on the connection's reactor): for memory exposed to this caller that
+  // Keeps `owner` alive until the connection has closed (then releases
+  // what it kept on the connection's reactor, newest first: keep a buffer,
+  // then its MemoryRegion): for memory exposed to this caller that
   // must outlive the response, such as a region the caller reads after the
   // call. Closing the connection before the release means the peer's QP is
   // gone before the memory is deregistered.

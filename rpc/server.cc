@@ -546,7 +546,8 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     }(&c->drained));
   }
   (void)co_await Unstoppable(conn.Close());
-  c->kept.clear();  // after the close: no peer can reach what it held
+  // After the close (no peer can reach what it held), newest first.
+  while (!c->kept.empty()) c->kept.pop_back();
   cm::Connection::Stats cs = conn.stats();
   stats_.credit_stalls.fetch_add(cs.credit_waits);
   stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);

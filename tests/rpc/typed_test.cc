@@ -86,7 +86,7 @@ class TypedTest : public RpcTest {
                          *std::move(mr));
                      absl::StatusOr<transport::RemoteRegion> token =
                          ctx.Expose(*mrp);
-                     // The region goes before the bytes it covers.
+                     // Released newest first: the region, then its bytes.
                      ctx.KeepUntilClose(buf);
                      ctx.KeepUntilClose(mrp);
                      co_return token;
