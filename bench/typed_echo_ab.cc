@@ -79,6 +79,12 @@ int Main() {
         auto c, co_await rpc::Client::Connect(worker, "127.0.0.1", port));
     const std::string payload(absl::GetFlag(FLAGS_size), 'x');
     std::vector<double> sum(3, 0);
+    for (Kind k : {kBytes, kString, kStruct}) {  // warm-up, not counted
+      absl::StatusOr<double> warm =
+          co_await Run(*c, k, absl::GetFlag(FLAGS_calls) / 10 + 1,
+                       absl::GetFlag(FLAGS_depth), payload);
+      CO_RETURN_IF_ERROR(warm.status());
+    }
     for (int p = 0; p < absl::GetFlag(FLAGS_pairs); ++p) {
       double rate[3];
       for (Kind k : {kBytes, kString, kStruct}) {
