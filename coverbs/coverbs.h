@@ -3,6 +3,7 @@
 //   #include "coverbs/coverbs.h"
 //
 // Coroutines and reactors (Task, Reactor, Spawn/JoinHandle, WhenAll/WhenAny,
+// ForEachBounded,
 // CO_RETURN_IF_ERROR / CO_ASSIGN_OR_RETURN), the device (transport::Device,
 // typed memory Access), connections (cm::Connect, cm::Listener,
 // cm::Connection, cm::Worker, cm::WorkerPool), the RPC layer (rpc::Server,
@@ -23,6 +24,7 @@
 #include "cm/worker.h"
 #include "cm/worker_pool.h"
 #include "cm/listener.h"
+#include "core/bounded.h"
 #include "core/join.h"
 #include "core/offload.h"
 #include "core/reactor.h"

@@ -20,13 +20,19 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
                 reactor.status().ToString().c_str());
     return 1;
   }
-  auto device = transport::Device::Open(options.provider);
-  if (!device.ok()) {
-    COVERBS_LOG(kError, "run", "opening the device: %s",
-                device.status().ToString().c_str());
-    return 1;
+  std::unique_ptr<transport::Device> owned;
+  transport::Device* device = options.device;
+  if (device == nullptr) {
+    auto d = transport::Device::Open(options.provider);
+    if (!d.ok()) {
+      COVERBS_LOG(kError, "run", "opening the device: %s",
+                  d.status().ToString().c_str());
+      return 1;
+    }
+    owned = *std::move(d);
+    device = owned.get();
   }
-  auto ctx = cm::Worker::Create(**reactor, **device, options.worker);
+  auto ctx = cm::Worker::Create(**reactor, *device, options.worker);
   if (!ctx.ok()) {
     COVERBS_LOG(kError, "run", "creating the worker: %s",
                 ctx.status().ToString().c_str());
@@ -55,22 +61,52 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, &old);
   int rc = 1;
+  // Destroyed in reverse: the pool (its workers) before the PD, the PD
+  // before the device.
+  std::unique_ptr<transport::Device> owned_device;
+  std::unique_ptr<transport::ProtectionDomain> owned_pd;
   do {
-    auto device = transport::Device::Open(options.provider);
-    if (!device.ok()) {
-      COVERBS_LOG(kError, "run", "opening the device: %s",
-                  device.status().ToString().c_str());
-      break;
+    transport::Device* device = options.device;
+    if (device == nullptr) {
+      auto d = transport::Device::Open(options.provider);
+      if (!d.ok()) {
+        COVERBS_LOG(kError, "run", "opening the device: %s",
+                    d.status().ToString().c_str());
+        break;
+      }
+      owned_device = *std::move(d);
+      device = owned_device.get();
     }
     cm::WorkerPool::Options po;
     po.threads = options.threads;
     po.reactor = options.reactor;
     po.worker = options.worker;
-    auto pool = cm::WorkerPool::Create(**device, po);
+    if (po.worker.pd == nullptr) {
+      auto pd = device->AllocPd();
+      if (!pd.ok()) {
+        COVERBS_LOG(kError, "run", "allocating the protection domain: %s",
+                    pd.status().ToString().c_str());
+        break;
+      }
+      owned_pd = *std::move(pd);
+      po.worker.pd = owned_pd.get();
+    }
+    auto pool = cm::WorkerPool::Create(*device, po);
     if (!pool.ok()) {
       COVERBS_LOG(kError, "run", "starting %d reactors: %s", options.threads,
                   pool.status().ToString().c_str());
       break;
+    }
+    // ServeContext::keep: after the server's shutdown, before the pool.
+    std::vector<std::shared_ptr<void>> kept;
+    if (options.setup) {
+      absl::Status s =
+          options.setup(ServeContext{*device, *po.worker.pd, **pool, kept});
+      if (!s.ok()) {
+        COVERBS_LOG(kError, "run", "setting up the service: %s",
+                    s.ToString().c_str());
+        break;
+      }
     }
     absl::Status s = server.Start(**pool, address, port);
     if (!s.ok()) {
@@ -82,8 +118,10 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
     sigwait(&stop, &sig);
     COVERBS_LOG(kInfo, "run", "signal %d: shutting down", sig);
     server.Shutdown();
+    while (!kept.empty()) kept.pop_back();  // newest first
     rc = 0;
   } while (false);
+
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   return rc;
 }

@@ -19,19 +19,28 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "cm/worker.h"
+#include "cm/worker_pool.h"
 #include "core/reactor.h"
 #include "core/task.h"
 #include "rpc/server.h"
+#include "transport/device.h"
 #include "transport/provider.h"
 
 namespace coverbs {
 
 struct RunOptions {
+  // The user's device (it must outlive RunMain); null: RunMain opens the
+  // device `provider` names. The Worker's PD (worker.pd, or one the Worker
+  // allocates) is main's worker.pd().
+  transport::Device* device = nullptr;
   transport::ProviderOptions provider;
   ReactorOptions reactor;
   cm::WorkerOptions worker;
@@ -44,15 +53,41 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options);
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main);
 
-struct ServeOptions {
-  size_t threads = 1;  // reactors (one cm::Worker each) serving connections
-  transport::ProviderOptions provider;
-  ReactorOptions reactor;
-  cm::WorkerOptions worker;
+// What Serve built, handed to ServeOptions::setup before it listens.
+struct ServeContext {
+  transport::Device& device;
+  // Shared by every Worker of the pool: a region registered here serves
+  // the connections of every reactor (handlers reach it too, as
+  // ctx.connection().worker().pd()).
+  transport::ProtectionDomain& pd;
+  cm::WorkerPool& pool;
+  // Kept alive until the server has shut down, then released (newest
+  // first) before the pool and the PD go: buffers, then their regions, a
+  // metrics exporter.
+  std::vector<std::shared_ptr<void>>& keep;
 };
 
-// Opens the device, starts `server` (handlers registered) on a
-// cm::WorkerPool of `threads` reactors listening on address:port (0: any
+struct ServeOptions {
+  size_t threads = 1;  // reactors (one cm::Worker each) serving connections
+  // The user's device (it must outlive Serve); null: Serve opens the device
+  // `provider` names.
+  transport::Device* device = nullptr;
+  transport::ProviderOptions provider;
+  ReactorOptions reactor;
+  // For every Worker. worker.pd: the user's PD (it must outlive Serve);
+  // null: Serve allocates one PD that every Worker shares.
+  cm::WorkerOptions worker;
+  // Runs on the calling thread once the pool runs, before the server
+  // listens: register memory, start side services (a metrics endpoint).
+  // A non-OK status ends Serve (logged; exit code 1). What refers to the
+  // pool or Serve's PD goes in ServeContext::keep (or is made in the user's
+  // own device and PD: options.device, worker.pd).
+  std::function<absl::Status(const ServeContext&)> setup;
+};
+
+// Opens the device (or takes options.device), starts `server` (handlers
+// registered) on a cm::WorkerPool of `threads` reactors sharing one PD,
+// after options.setup, listening on address:port (0: any
 // free port; server.port() and the log say which), serves until the process
 // gets SIGINT or SIGTERM, then shuts the server down. Blocks those signals
 // in the calling thread (and so in the reactors it starts) while it runs.

@@ -27,6 +27,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,11 +37,14 @@
 #include "cm/worker.h"
 #include "core/task.h"
 #include "rpc/payload.h"
+#include "rpc/typed.h"
 #include "rpc/wire.h"
 
 namespace coverbs::rpc {
 
 struct ClientOptions {
+  // The server's admission hook (rpc::ServerOptions::admit) sees
+  // connect.app_data (at most cm::kMaxAppData bytes): who this client is.
   // Largest response payload accepted (also bounded by the connection's
   // max_message_size minus the 32-byte frame header).
   uint64_t max_response_size = (64ull << 20) - kHeaderSize;
@@ -87,6 +91,35 @@ class Client {
                                       CallOptions options);
   Task<absl::StatusOr<Response>> Call(std::string_view method,
                                       std::span<const std::byte> payload);
+
+  // Typed calls (rpc/typed.h): `args` encoded by rpc::Codec<Args> (sent
+  // from the object itself where the codec allows), the response decoded
+  // as R (INTERNAL naming the method when it does not decode). `method`
+  // and `args` must stay valid until the call completes.
+  template <typename R, typename Args>
+  Task<absl::StatusOr<R>> Call(std::string_view method, const Args& args,
+                               CallOptions options) {
+    internal::EncodedArg<Args> enc(args);
+    absl::StatusOr<Response> r =
+        co_await Call(method, enc.view(), std::move(options));
+    if (!r.ok()) co_return r.status();
+    co_return internal::FromResponse<R>(method, *std::move(r));
+  }
+  template <typename R, typename Args>
+  Task<absl::StatusOr<R>> Call(std::string_view method, const Args& args) {
+    return Call<R, Args>(method, args, CallOptions());
+  }
+  template <typename Args, typename R>
+  Task<absl::StatusOr<R>> Call(const Method<Args, R>& method,
+                               const std::type_identity_t<Args>& args,
+                               CallOptions options) {
+    return Call<R, Args>(method.name, args, std::move(options));
+  }
+  template <typename Args, typename R>
+  Task<absl::StatusOr<R>> Call(const Method<Args, R>& method,
+                               const std::type_identity_t<Args>& args) {
+    return Call<R, Args>(method.name, args, CallOptions());
+  }
 
   // Fails pending calls with UNAVAILABLE, stops the receive loop and closes
   // the connection gracefully; returns once nothing of the client runs on

@@ -136,6 +136,9 @@ struct Server::Conn {
   // lookup per request otherwise).
   uint32_t last_method_id = 0;
   const Method* last_method = nullptr;
+  // What handlers kept for the connection's lifetime
+  // (Context::KeepUntilClose): released after the connection closed.
+  std::vector<std::shared_ptr<void>> kept;
   Semaphore running;    // handler slots
   Semaphore admission;  // running + queued
   // Small requests whose payload view pins one of the connection's receive
@@ -341,8 +344,10 @@ Task<void> Server::AcceptLoop(std::unique_ptr<cm::Listener> listener) {
   for (;;) {
     auto req = co_await listener->Next();
     if (!req.ok()) break;  // Cancelled by Shutdown, or the listener failed
-    if (options_.listener.admit) {
-      absl::Status ok = options_.listener.admit((*req)->peer());
+    const auto& admit =
+        options_.admit ? options_.admit : options_.listener.admit;
+    if (admit) {
+      absl::Status ok = admit((*req)->peer());
       if (!ok.ok()) {
         (*req)->Reject(std::string(ok.message())).IgnoreError();
         continue;
@@ -382,9 +387,9 @@ Task<void> Server::Serve(std::unique_ptr<cm::Connection> conn) {
   // caller's.
   Task<void> loop = ServeLoop(c);
   std::stop_token caller = co_await CurrentStopToken();
-  std::optional<std::stop_callback<internal::StopForwarder>> link;
+  std::optional<std::stop_callback<coverbs::internal::StopForwarder>> link;
   if (caller.stop_possible()) {
-    link.emplace(caller, internal::StopForwarder{&c->stop});
+    link.emplace(caller, coverbs::internal::StopForwarder{&c->stop});
   }
   loop.SetStopToken(c->stop.get_token());
   co_await std::move(loop);
@@ -516,9 +521,19 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     // waits for every call (c->live_calls) before it lets go. The call runs
     // now, until it first waits (CallCoro). The request is built as the
     // argument itself: one move (into the frame) less than from a local.
-    CallCoro call_coro = RunCall(
-        c.get(), h.call_id, method,
-        Request{method->name, h.method_id, h.call_id, peer, take_payload()});
+    auto make_request = [&]() {
+      Request r;
+      r.method = method->name;
+      r.method_id = h.method_id;
+      r.call_id = h.call_id;
+      r.peer = peer;
+      r.conn_ = &conn;
+      r.stop_ = &call->stop;
+      r.keep_ = &c->kept;
+      r.payload = take_payload();
+      return r;
+    };
+    CallCoro call_coro = RunCall(c.get(), h.call_id, method, make_request());
     CallCoro::promise_type& pr = call_coro.h.promise();
     // The handler's token. `call` is still this call's record after the
     // admission wait: records stay put (a ring slot, or a node of the
@@ -556,6 +571,8 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
     stats_.protocol_errors.fetch_add(1);
   }
   stats_.closed[static_cast<size_t>(cause)].fetch_add(1);
+  // After the close (no peer can reach what it held), newest first.
+  while (!c->kept.empty()) c->kept.pop_back();
   cm::Connection::Stats cs = conn.stats();
   stats_.credit_stalls.fetch_add(cs.credit_waits);
   stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);

@@ -16,6 +16,11 @@
 //    stop is requested when the client cancels the call (cancel frame, e.g.
 //    on deadline expiry) and on Shutdown; the response of a cancelled call
 //    is not sent.
+//  - The request is also the call's rpc::Context (rpc/context.h): the
+//    caller's connection (Expose to this caller only), its address and
+//    handshake app_data, the stop token.
+//  - Typed methods (rpc/typed.h) are byte methods whose payloads a codec
+//    encodes; both kinds share one method table.
 //  - A handler's error Status travels back to the caller with its code and
 //    message; an unknown method gets NOT_FOUND.
 //  - Per connection at most max_concurrent_calls handlers run; further
@@ -39,6 +44,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -49,19 +55,12 @@
 #include "cm/worker_pool.h"
 #include "cm/listener.h"
 #include "core/task.h"
+#include "rpc/context.h"
 #include "rpc/payload.h"
+#include "rpc/typed.h"
 #include "rpc/wire.h"
 
 namespace coverbs::rpc {
-
-struct Request {
-  std::string_view method;  // the registered name (lives with the server)
-  uint32_t method_id = 0;
-  uint64_t call_id = 0;
-  const cm::PeerInfo* peer = nullptr;  // valid while the handler runs
-  Payload payload;
-  std::span<const std::byte> data() const { return payload.data(); }
-};
 
 // A handler takes the request by value (or by reference: the request
 // then lives in the call's frame until the handler ends). The rvalue
@@ -83,6 +82,14 @@ struct ServerOptions {
   uint64_t max_response_size = (64ull << 20) - kHeaderSize;
   // For Start(): the listener and the connections it accepts.
   cm::ListenerOptions listener;
+  // Admission: called on the accepting reactor for each connection request
+  // (after the handshake decoded) with the peer's address and handshake,
+  // app_data included (rpc::ClientOptions::connect.app_data). A non-OK
+  // status refuses the connection: the client's Connect fails with
+  // PERMISSION_DENIED carrying this status's message. When unset,
+  // listener.admit (same contract) is used. Runs on one reactor at a time;
+  // it must not block.
+  std::function<absl::Status(const cm::PeerInfo&)> admit;
 };
 
 class Server {
@@ -93,9 +100,29 @@ class Server {
   ~Server();
   Server(const Server&) = delete;
 
-  // Before Start/Serve. AlreadyExists for a name registered twice or whose
-  // method id (rpc::MethodId) collides with another name's.
+  // Before Start/Serve only: serving reads the method table without a
+  // lock, so a registration once the server started fails with
+  // FAILED_PRECONDITION. Callable from several threads at once (a mutex
+  // guards the table until then). AlreadyExists for a name registered
+  // twice or whose method id (rpc::MethodId) collides with another name's.
   absl::Status Register(std::string_view name, Handler handler);
+  // Typed methods (rpc/typed.h): `fn` is a function or lambda taking
+  // (rpc::Context&, Args) or (Args) and returning Task<absl::StatusOr<R>>;
+  // Args and R go through rpc::Codec (rpc/codec.h).
+  template <typename F>
+    requires internal::kIsTypedHandler<F>
+  absl::Status Register(std::string_view name, F fn) {
+    return Register(name, internal::WrapTyped(std::move(fn)));
+  }
+  // The same, typed by a method descriptor (rpc::Method<Args, R>).
+  template <typename Args, typename R, typename F>
+  absl::Status Register(const Method<Args, R>& method, F fn) {
+    static_assert(
+        std::is_same_v<typename internal::TypedTraits<F>::Args, Args> &&
+            std::is_same_v<typename internal::TypedTraits<F>::Result, R>,
+        "the handler's argument and result types must be the method's");
+    return Register(method.name, internal::WrapTyped(std::move(fn)));
+  }
 
   // Listens on workers[0]'s reactor; accepted connections are spread
   // round-robin over `workers` (one per reactor of a ReactorPool, say) and

@@ -23,6 +23,8 @@ PKGS=(
   libbenchmark-dev
   clang libclang-rt-14-dev     # the rpc wire decoder's libFuzzer target
   python3            # coverbs_bench_test checks the JSON output
+  libmsgpack-cxx-dev # rpc/codec.h: typed methods' plain structs (msgpack-c++)
+  libprotobuf-dev protobuf-compiler  # typed methods with protobuf messages
 )
 for arg in "$@"; do
   case "$arg" in

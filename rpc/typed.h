@@ -1,0 +1,160 @@
+// Typed methods over the byte methods: a handler takes a typed argument and
+// returns a typed result; rpc::Codec<T> (rpc/codec.h) turns each into the
+// payload of the byte method of the same name.
+//
+//   struct PutArgs { std::string key, value; MSGPACK_DEFINE(key, value); };
+//   inline constexpr rpc::Method<PutArgs, bool> kPut{"Put"};
+//
+//   server.Register(kPut, [&](rpc::Context& ctx, PutArgs a)
+//                              -> Task<absl::StatusOr<bool>> { ... });
+//   absl::StatusOr<bool> r = co_await client->Call(kPut, PutArgs{"k", "v"});
+//   // or by name: co_await client->Call<bool>("Put", args)
+//
+// Contract:
+//  - A handler is a function or lambda (not generic) taking (rpc::Context&,
+//    Args) or (Args) -- by value or const reference -- and returning
+//    Task<absl::StatusOr<R>>. View arguments (std::string_view,
+//    std::span<const std::byte>) point into the request and are valid while
+//    the handler runs.
+//  - A request that does not decode as Args fails the call with
+//    INVALID_ARGUMENT naming the method (the handler does not run); a
+//    response that does not decode as R fails it on the client with
+//    INTERNAL naming the method. The handler's error Status travels as it
+//    does for byte methods.
+//  - Both ends must agree on Args and R: only the method name (its id) and
+//    the payload bytes travel. A Method descriptor shared by both ends'
+//    code makes the compiler check it.
+#ifndef COVERBS_RPC_TYPED_H_
+#define COVERBS_RPC_TYPED_H_
+
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/task.h"
+#include "rpc/codec.h"
+#include "rpc/context.h"
+#include "rpc/payload.h"
+
+namespace coverbs::rpc {
+
+// A typed method's name with its argument and result types.
+template <typename Args, typename Result>
+struct Method {
+  using ArgsType = Args;
+  using ResultType = Result;
+  std::string_view name;
+};
+
+namespace internal {
+
+template <typename T>
+struct TaskStatusOr : std::false_type {};
+template <typename R>
+struct TaskStatusOr<Task<absl::StatusOr<R>>> : std::true_type {
+  using Result = R;
+};
+
+// The argument and result types of a typed handler's call operator.
+template <typename Sig>
+struct TypedSig {
+  static constexpr bool kValid = false;
+};
+template <typename Ret, typename A>
+struct TypedSig<Ret(A)> {
+  static constexpr bool kValid =
+      TaskStatusOr<Ret>::value &&
+      !std::is_same_v<std::remove_cvref_t<A>, Request>;
+  static constexpr bool kWithContext = false;
+  using Args = std::remove_cvref_t<A>;
+  using Result = typename TaskStatusOr<Ret>::Result;
+};
+template <typename Ret, typename C, typename A>
+struct TypedSig<Ret(C, A)> : TypedSig<Ret(A)> {
+  static constexpr bool kValid =
+      TypedSig<Ret(A)>::kValid &&
+      (std::is_same_v<C, Context&> || std::is_same_v<C, const Context&>);
+  static constexpr bool kWithContext = true;
+};
+
+template <typename F, typename = void>
+struct TypedTraits : TypedSig<void> {};
+template <typename Ret, typename... P>
+struct TypedTraits<Ret (*)(P...)> : TypedSig<Ret(P...)> {};
+template <typename Ret, typename... P>
+struct TypedTraits<Ret(P...)> : TypedSig<Ret(P...)> {};
+template <typename M>
+struct MemberSig;
+template <typename Ret, typename Cl, typename... P>
+struct MemberSig<Ret (Cl::*)(P...) const> : TypedSig<Ret(P...)> {};
+template <typename Ret, typename Cl, typename... P>
+struct MemberSig<Ret (Cl::*)(P...)> : TypedSig<Ret(P...)> {};
+template <typename F>
+struct TypedTraits<F, std::void_t<decltype(&F::operator())>>
+    : MemberSig<decltype(&F::operator())> {};
+
+template <typename F>
+inline constexpr bool kIsTypedHandler = TypedTraits<std::decay_t<F>>::kValid;
+
+// The byte handler that runs a typed one: decode, call, encode. Its own
+// coroutine around the user's (the user's Task is awaited in it).
+template <typename F>
+auto WrapTyped(F fn) {
+  using Tr = TypedTraits<std::decay_t<F>>;
+  using Args = typename Tr::Args;
+  using R = typename Tr::Result;
+  static_assert(HasCodec<Args>, "no rpc::Codec for the handler's argument");
+  static_assert(HasCodec<R> || std::is_same_v<R, Payload>,
+                "no rpc::Codec for the handler's result");
+  return [fn = std::move(fn)](Request&& req) -> Task<absl::StatusOr<Payload>> {
+    absl::StatusOr<R> r = absl::UnknownError("");
+    if constexpr (std::is_same_v<Args, Payload>) {
+      if constexpr (Tr::kWithContext) {
+        r = co_await fn(req, std::move(req.payload));
+      } else {
+        r = co_await fn(std::move(req.payload));
+      }
+    } else {
+      absl::StatusOr<Args> a = Codec<Args>::Decode(req.payload.data());
+      if (!a.ok()) {
+        co_return absl::InvalidArgumentError(absl::StrCat(
+            "method ", std::string(req.method),
+            ": the request does not decode: ", a.status().message()));
+      }
+      if constexpr (Tr::kWithContext) {
+        r = co_await fn(req, *std::move(a));
+      } else {
+        r = co_await fn(*std::move(a));
+      }
+    }
+    if (!r.ok()) co_return r.status();
+    co_return ToPayload(*std::move(r));
+  };
+}
+
+// The client's side: a response payload as R.
+template <typename R>
+absl::StatusOr<R> FromResponse(std::string_view method, Payload&& p) {
+  if constexpr (std::is_same_v<R, Payload>) {
+    return std::move(p);
+  } else {
+    static_assert(!ByteView<R>,
+                  "a call's result must own its bytes: use std::string or "
+                  "rpc::Payload instead of a view");
+    absl::StatusOr<R> r = Codec<R>::Decode(p.data());
+    if (!r.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "method ", std::string(method),
+          ": the response does not decode: ", r.status().message()));
+    }
+    return r;
+  }
+}
+
+}  // namespace internal
+}  // namespace coverbs::rpc
+
+#endif  // COVERBS_RPC_TYPED_H_
