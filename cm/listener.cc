@@ -10,6 +10,7 @@
 // backs off and tries again, until Close().
 #include "cm/listener.h"
 
+#include <atomic>
 #include <algorithm>
 #include <deque>
 #include <list>
@@ -76,6 +77,15 @@ struct ListenerState {
   // Oldest first.
   std::list<std::shared_ptr<PendingHandshake>> pending;
   std::deque<std::unique_ptr<ConnectRequestState>> ready;
+  // The lists' sizes for Update(), which other Workers' threads call too
+  // (an accepted connection is counted on the Worker that took it): the
+  // lists themselves are only touched on the listener's reactor.
+  std::atomic<size_t> pending_size{0};
+  std::atomic<size_t> ready_size{0};
+  void ListsChanged() {
+    pending_size.store(pending.size(), std::memory_order_relaxed);
+    ready_size.store(ready.size(), std::memory_order_relaxed);
+  }
   Event ready_event{false};  // set while `ready` is non-empty or closed
   LogLimiter reject_log{absl::Seconds(1)};
   LogLimiter error_log{absl::Seconds(1)};
@@ -86,8 +96,8 @@ struct ListenerState {
   void Update(F f) {
     std::lock_guard<std::mutex> lock(stats_mu);
     f(stats);
-    stats.pending = pending.size();
-    stats.queued = ready.size();
+    stats.pending = pending_size.load(std::memory_order_relaxed);
+    stats.queued = ready_size.load(std::memory_order_relaxed);
   }
   void NoteSizes() {
     Update([](Listener::Stats&) {});
@@ -136,6 +146,7 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
   auto private_data = co_await req->request->ReadPrivateData(
       absl::Now() + st->options.accept_timeout);
   st->pending.remove(pending);
+  st->ListsChanged();
   st->Update([](Listener::Stats& s) { ++s.requests; });
   if (!private_data.ok()) {
     std::string why =
@@ -170,6 +181,7 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
     co_return;
   }
   st->ready.push_back(std::move(req));
+  st->ListsChanged();
   st->NoteSizes();
   st->ready_event.Set();
 }
@@ -216,12 +228,14 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
                                   1, st->options.max_pending_handshakes)) {
       std::shared_ptr<PendingHandshake> oldest = st->pending.front();
       st->pending.pop_front();
+      st->ListsChanged();
       oldest->evicted = true;
       st->Update([](Listener::Stats& s) { ++s.evicted; });
       oldest->stop.request_stop();
     }
     auto pending = std::make_shared<PendingHandshake>();
     st->pending.push_back(pending);
+    st->ListsChanged();
     st->NoteSizes();
     st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
                              pending->stop.get_token());
@@ -360,6 +374,7 @@ Task<absl::StatusOr<std::unique_ptr<ConnectRequest>>> Listener::NextOn(
     if (!st->ready.empty()) {
       std::unique_ptr<ConnectRequestState> req = std::move(st->ready.front());
       st->ready.pop_front();
+      st->ListsChanged();
       st->NoteSizes();
       if (st->ready.empty() && !st->closed) st->ready_event.Reset();
       co_return std::unique_ptr<ConnectRequest>(
