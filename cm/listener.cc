@@ -10,8 +10,8 @@
 // backs off and tries again, until Close().
 #include "cm/listener.h"
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <list>
 #include <memory>
