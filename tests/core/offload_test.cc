@@ -264,7 +264,8 @@ TEST(OffloadTest, ReactorDestroyedWhileWorkRuns) {
 TEST(OffloadTest, DestroyedPoolCancelsQueuedWork) {
   auto pool = std::make_unique<OffloadPool>(1);
   auto r = NewReactor();
-  auto gate = std::make_shared<std::atomic<bool>>(false);
+  static std::atomic<bool> gate_flag{false};
+  std::shared_ptr<std::atomic<bool>> gate(std::shared_ptr<void>(), &gate_flag);
   absl::Status first, second;
   Event done1, done2;
   r->BlockOn([](Reactor* r, OffloadPool* pool,
