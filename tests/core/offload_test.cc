@@ -95,8 +95,13 @@ TEST(OffloadTest, TheReactorRunsOnMeanwhile) {
 // thread and its result is dropped there.
 TEST(OffloadTest, CancelledWaitReturnsAtOnceAndTheWorkIsDropped) {
   auto r = NewReactor();
-  auto finished = std::make_shared<std::atomic<bool>>(false);
-  auto started = std::make_shared<std::atomic<bool>>(false);
+  // The flags outlive the job, which the pool thread may free after the
+  // test returned: no reference of the test's is dropped there.
+  static std::atomic<bool> finished_flag{false}, started_flag{false};
+  std::shared_ptr<std::atomic<bool>> finished(std::shared_ptr<void>(),
+                                              &finished_flag);
+  std::shared_ptr<std::atomic<bool>> started(std::shared_ptr<void>(),
+                                             &started_flag);
   r->BlockOn([](std::shared_ptr<std::atomic<bool>> started,
                 std::shared_ptr<std::atomic<bool>> finished) -> Task<void> {
     auto wait = [](std::shared_ptr<std::atomic<bool>> started,
@@ -155,10 +160,11 @@ TEST(OffloadTest, UntilDoneWaitsForTheWorkDespiteAStop) {
 
 // Work still queued when its caller gives up never runs.
 TEST(OffloadTest, WorkCancelledBeforeItStartsNeverRuns) {
+  static std::atomic<bool> ran_flag{false}, gate_flag{false};
+  std::shared_ptr<std::atomic<bool>> ran(std::shared_ptr<void>(), &ran_flag);
+  std::shared_ptr<std::atomic<bool>> gate(std::shared_ptr<void>(), &gate_flag);
   OffloadPool pool(1);
   auto r = NewReactor();
-  auto ran = std::make_shared<std::atomic<bool>>(false);
-  auto gate = std::make_shared<std::atomic<bool>>(false);
   r->BlockOn([](OffloadPool* pool, std::shared_ptr<std::atomic<bool>> ran,
                 std::shared_ptr<std::atomic<bool>> gate) -> Task<void> {
     // The pool's only thread is held by this one.
@@ -225,8 +231,11 @@ TEST(OffloadTest, AlreadyStoppedCallerIsCancelledWithoutRunning) {
 // A reactor destroyed while a task of it waits for offloaded work: the
 // work's end finds nobody to resume and touches nothing freed.
 TEST(OffloadTest, ReactorDestroyedWhileWorkRuns) {
-  auto started = std::make_shared<std::atomic<bool>>(false);
-  auto finished = std::make_shared<std::atomic<bool>>(false);
+  static std::atomic<bool> finished_flag{false}, started_flag{false};
+  std::shared_ptr<std::atomic<bool>> finished(std::shared_ptr<void>(),
+                                              &finished_flag);
+  std::shared_ptr<std::atomic<bool>> started(std::shared_ptr<void>(),
+                                             &started_flag);
   {
     auto r = NewReactor();
     r->Spawn([](std::shared_ptr<std::atomic<bool>> started,
@@ -255,7 +264,8 @@ TEST(OffloadTest, ReactorDestroyedWhileWorkRuns) {
 TEST(OffloadTest, DestroyedPoolCancelsQueuedWork) {
   auto pool = std::make_unique<OffloadPool>(1);
   auto r = NewReactor();
-  auto gate = std::make_shared<std::atomic<bool>>(false);
+  static std::atomic<bool> gate_flag{false};
+  std::shared_ptr<std::atomic<bool>> gate(std::shared_ptr<void>(), &gate_flag);
   absl::Status first, second;
   Event done1, done2;
   r->BlockOn([](Reactor* r, OffloadPool* pool,
