@@ -20,6 +20,8 @@ PKGS=(
   libbenchmark-dev
   clang libclang-rt-14-dev     # the rpc wire decoder's libFuzzer target
   python3            # coverbs_bench_test checks the JSON output
+  prometheus-cpp-dev # //rpc:metrics: Prometheus export (optional target)
+  curl prometheus    # the metrics tests scrape /metrics (curl) and lint it (promtool)
 )
 for arg in "$@"; do
   case "$arg" in
