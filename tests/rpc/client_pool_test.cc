@@ -81,6 +81,16 @@ class ClientPoolTest : public ::testing::Test {
     pool_ = *std::move(p);
   }
 
+  // Until `n` connections are live (bounded): calls made before all are up
+  // would go round-robin over fewer.
+  void WaitLive(uint64_t n) {
+    absl::Time until = absl::Now() + absl::Seconds(20);
+    while (pool_->stats().live < n && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(pool_->stats().live, n);
+  }
+
   // Runs `task` on client reactor i and waits for its result.
   template <typename T>
   T RunOn(size_t i, Task<T> task) {
@@ -116,6 +126,7 @@ TEST_F(ClientPoolTest, CallsSpreadOverReactorsAndServers) {
   StartServer(1, 0);
   MakePool({.servers = {{"127.0.0.1", servers_[0]->port()},
                         {"localhost", servers_[1]->port()}}});
+  WaitLive(4);
   for (size_t i = 0; i < 2; ++i) {
     absl::Status s = RunOn(i, Echoes(pool_.get(), 20));
     ASSERT_TRUE(s.ok()) << s;
@@ -138,6 +149,7 @@ TEST_F(ClientPoolTest, ServerStoppedAndRestarted) {
       {.servers = {{"127.0.0.1", port0}, {"127.0.0.1", servers_[1]->port()}},
        .reconnect_min = absl::Milliseconds(10),
        .reconnect_max = absl::Milliseconds(100)});
+  WaitLive(4);
   ASSERT_TRUE(RunOn(0, Echoes(pool_.get(), 4)).ok());
 
   // Two Slow calls in flight (one per server, round-robin), then server 0
@@ -145,7 +157,7 @@ TEST_F(ClientPoolTest, ServerStoppedAndRestarted) {
   auto in_flight = [](ClientPool* pool) -> Task<absl::Status> {
     auto call = [](ClientPool* pool) -> Task<absl::StatusOr<Response>> {
       CallOptions o;
-      o.deadline = absl::Now() + absl::Seconds(2);
+      o.deadline = absl::Now() + absl::Seconds(5);
       co_return co_await pool->Call("Slow", {}, o);
     };
     WaitGroup wg;
@@ -179,7 +191,12 @@ TEST_F(ClientPoolTest, ServerStoppedAndRestarted) {
       1, [](Task<absl::Status> t, std::promise<absl::Status>* p) -> Task<void> {
         p->set_value(co_await std::move(t));
       }(in_flight(pool_.get()), &result));
-  absl::SleepFor(absl::Milliseconds(300));
+  // Both Slow handlers running (2 echoes + 1 Slow on each server).
+  absl::Time running = absl::Now() + absl::Seconds(20);
+  while ((servers_[0]->stats().calls < 3 || servers_[1]->stats().calls < 3) &&
+         absl::Now() < running) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   servers_[0]->Shutdown();
   servers_[0].reset();
   absl::Status s = f.get();
