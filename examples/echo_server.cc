@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "examples/common.h"
+#include "rpc/metrics.h"
 #include "rpc/server.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1",
@@ -91,6 +92,10 @@ ABSL_FLAG(absl::Duration, keepalive, absl::ZeroDuration(),
           "Probe a connection whose peer said nothing for this long (0: "
           "off); after 3 unanswered probes the connection is closed (a "
           "frozen or vanished client).");
+ABSL_FLAG(int, metrics_port, -1,
+          "Serve Prometheus metrics (the server's counters, a latency "
+          "histogram per method) at http://--address:PORT/metrics; 0 lets "
+          "the system pick the port (it is printed); -1: off.");
 ABSL_FLAG(absl::Duration, stats_interval, absl::ZeroDuration(),
           "Print the server's counters this often (0: never). SIGUSR1 prints "
           "them at any time.");
@@ -207,6 +212,17 @@ int Run() {
   options.listener.connection.send_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_send_depth));
   options.listener.connection.keepalive_interval = absl::GetFlag(FLAGS_keepalive);
   ApplyLandingFlags(options.listener.connection);
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < -1 || metrics_port > 65535) {
+    std::fprintf(stderr, "echo_server: --metrics_port must be -1 (off) or in [0, 65535]\n");
+    return 2;
+  }
+  // Declared before the server: its observer must outlive it.
+  std::unique_ptr<rpc::ServerMetrics> metrics;
+  if (metrics_port >= 0) {
+    metrics = std::make_unique<rpc::ServerMetrics>();
+    options.call_observer = metrics->Observer();
+  }
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(
       "Echo", [](rpc::Request r) -> Task<absl::StatusOr<rpc::Payload>> {
@@ -215,6 +231,16 @@ int Run() {
   if (s.ok()) {
     s = server->Start(**workers, absl::GetFlag(FLAGS_address),
                       absl::GetFlag(FLAGS_port));
+  }
+  if (s.ok() && metrics != nullptr) {
+    metrics->Watch(server.get());
+    s = metrics->Listen(absl::GetFlag(FLAGS_address), static_cast<uint16_t>(metrics_port));
+    if (s.ok()) {
+      std::printf("echo_server: metrics on port %u\n", metrics->port());
+    } else {
+      metrics->Watch(nullptr);
+      server->Shutdown();
+    }
   }
   if (!s.ok()) {
     std::fprintf(stderr, "echo_server: %s\n", s.ToString().c_str());
@@ -267,7 +293,9 @@ int Run() {
               sig == 0 ? "--run_for elapsed" : (sig == SIGINT ? "SIGINT" : "SIGTERM"));
   server->Shutdown();
   PrintStats(*server);
+  if (metrics != nullptr) metrics->Watch(nullptr);
   server.reset();
+  metrics.reset();
   workers->reset();
   return 0;
 }

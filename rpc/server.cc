@@ -583,6 +583,9 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
 Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
                                  const Method* method, Request req) {
   const uint32_t method_id = req.method_id;
+  const bool observed = static_cast<bool>(options_.call_observer);
+  const absl::Time arrived = observed ? absl::Now() : absl::Time();
+  const uint64_t request_bytes = req.payload.data().size();
   if (!c->running.TryAcquire()) {  // no awaiter when a slot is free
     absl::Status slot = co_await c->running.Acquire();
     if (!slot.ok()) {
@@ -602,6 +605,9 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
   absl::StatusOr<Payload> ran = co_await method->handler(std::move(req));
   c->running.Release();
   const bool cancelled = c->calls.TakeStopped(call_id);
+  uint64_t sent_bytes = 0;
+  absl::StatusCode code =
+      cancelled ? absl::StatusCode::kCancelled : ran.status().code();
   if (cancelled) {
     // The caller gave up (cancel frame) or the server is shutting down:
     // nobody waits for this response.
@@ -610,6 +616,7 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
     std::span<const std::byte> data = ran->data();
     const uint64_t limit = c->response_limit;
     if (data.size() > limit) {
+      code = absl::StatusCode::kResourceExhausted;
       co_await SendError(
           c, call_id, method_id,
           absl::ResourceExhaustedError(absl::StrCat(
@@ -628,11 +635,19 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
       cm::Connection::SendAwaiter send = c->conn->SendV(parts);
       send.PostNow();
       absl::Status sent = co_await send;
-      if (sent.ok()) stats_.response_bytes.fetch_add(data.size());
+      if (sent.ok()) {
+        stats_.response_bytes.fetch_add(data.size());
+        sent_bytes = data.size();
+      }
     }
   } else {
     stats_.failed_calls.fetch_add(1);
     co_await SendError(c, call_id, method_id, ran.status());
+  }
+  if (observed) {
+    options_.call_observer(CallRecord{method->name, method_id, code,
+                                      absl::Now() - arrived, request_bytes,
+                                      sent_bytes});
   }
   c->admission.Release();
 }

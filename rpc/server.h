@@ -50,6 +50,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "cm/connection.h"
 #include "cm/worker.h"
 #include "cm/worker_pool.h"
@@ -67,6 +68,24 @@ namespace coverbs::rpc {
 // reference spares a move of the request per call, into std::function's
 // own by-value parameter.
 using Handler = std::function<Task<absl::StatusOr<Payload>>(Request&&)>;
+
+// What a finished call reports to ServerOptions::call_observer.
+struct CallRecord {
+  std::string_view method;  // the registered name (lives with the server)
+  uint32_t method_id = 0;
+  // OK, the handler's error code, or kCancelled when the caller cancelled
+  // (or the server shut down) before the response went out.
+  absl::StatusCode code = absl::StatusCode::kOk;
+  // From the request's arrival at the call (queueing for a handler slot
+  // included) to its response posted.
+  absl::Duration latency;
+  uint64_t request_bytes = 0;
+  uint64_t response_bytes = 0;  // 0 unless the response was sent
+};
+// Called once per call that reached a handler, on the call's reactor, right
+// after its response was posted: it must be cheap and callable
+// concurrently from every reactor of the server.
+using CallObserver = std::function<void(const CallRecord&)>;
 
 struct ServerOptions {
   // Handlers running at once on one connection.
@@ -90,6 +109,9 @@ struct ServerOptions {
   // listener.admit (same contract) is used. Runs on one reactor at a time;
   // it must not block.
   std::function<absl::Status(const cm::PeerInfo&)> admit;
+  // Optional (metrics, tracing): the server takes the clock per call only
+  // when this is set.
+  CallObserver call_observer;
 };
 
 class Server {

@@ -25,6 +25,8 @@ PKGS=(
   python3            # coverbs_bench_test checks the JSON output
   libmsgpack-cxx-dev # rpc/codec.h: typed methods' plain structs (msgpack-c++)
   libprotobuf-dev protobuf-compiler  # typed methods with protobuf messages
+  prometheus-cpp-dev # //rpc:metrics: Prometheus export (optional target)
+  curl prometheus    # the metrics tests scrape /metrics (curl) and lint it (promtool)
 )
 for arg in "$@"; do
   case "$arg" in

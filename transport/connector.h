@@ -76,7 +76,7 @@ struct Established {
 };
 
 struct ConnectParams {
-  std::string address;  // numeric IPv4 ("localhost" = 127.0.0.1)
+  std::string address;  // numeric IPv4 / IPv6, or a host name
   uint16_t port = 0;
   absl::Duration resolve_timeout = absl::Seconds(2);  // address, then route
   absl::Duration connect_timeout = absl::Seconds(5);  // until established

@@ -24,7 +24,9 @@ namespace {
 using connector_util::Annotate;
 using connector_util::Bytes;
 using connector_util::Endpoint;
-using connector_util::ParseAddress;
+using connector_util::ListenAddress;
+using connector_util::Resolve;
+using connector_util::SocketAddress;
 using rdma_cm::CmEvent;
 using rdma_cm::CmEventChannel;
 using rdma_cm::CmId;
@@ -236,16 +238,15 @@ Task<absl::StatusOr<ConnectCall>> ConnectOffReactor(rdma_cm_id* raw,
 // off the reactor until then (rdma_destroy_id blocked for 130 s on siw for
 // an unreachable address).
 Task<absl::StatusOr<std::shared_ptr<CmId>>> ResolvedId(
-    CmEventChannel* ch, const sockaddr_in& sa, absl::Duration timeout,
+    CmEventChannel* ch, const SocketAddress& sa, absl::Duration timeout,
     const std::string& where) {
   auto created = CmId::Create(ch);
   if (!created.ok()) co_return Annotate(created.status(), where);
   std::shared_ptr<CmId> id = *std::move(created);
   id->set_destroy_in_background(true);
   int ms = std::max(static_cast<int>(absl::ToInt64Milliseconds(timeout)), 1);
-  sockaddr_in dst = sa;
-  if (rdma_resolve_addr(id->id(), nullptr, reinterpret_cast<sockaddr*>(&dst),
-                        ms) != 0) {
+  SocketAddress dst = sa;
+  if (rdma_resolve_addr(id->id(), nullptr, dst.get(), ms) != 0) {
     co_return absl::UnavailableError(
         absl::StrCat(where, ": address resolution failed: ", strerror(errno)));
   }
@@ -375,13 +376,13 @@ class RdmaConnector final : public Connector {
   absl::StatusOr<std::shared_ptr<PassiveEndpoint>> Listen(
       const std::string& address, uint16_t port, int backlog) override {
     std::string where = absl::StrCat("listen on ", Endpoint(address, port));
-    auto sa = ParseAddress(address, port);
+    auto sa = ListenAddress(address, port);
     if (!sa.ok()) return Annotate(sa.status(), where);
     auto ch = events();
     if (!ch.ok()) return Annotate(ch.status(), where);
     auto id = CmId::Create(*ch);
     if (!id.ok()) return Annotate(id.status(), where);
-    if (rdma_bind_addr((*id)->id(), reinterpret_cast<sockaddr*>(&*sa)) != 0) {
+    if (rdma_bind_addr((*id)->id(), sa->get()) != 0) {
       return absl::UnavailableError(
           absl::StrCat(where, ": rdma_bind_addr: ", strerror(errno)));
     }
@@ -394,6 +395,13 @@ class RdmaConnector final : public Connector {
   }
 
  private:
+  // One address of a Connect: `id` and setup's QP are the caller's to
+  // discard (QP first) when it fails.
+  Task<absl::StatusOr<Established>> ConnectTo(
+      const SocketAddress& sa, const ConnectParams& params, QpSetup& setup,
+      const std::string& where, const std::string& ep, absl::Time deadline,
+      std::shared_ptr<CmId>& id);
+
   Device& device_;
   Reactor& reactor_;
   std::unique_ptr<CmEventChannel> events_;
@@ -434,11 +442,36 @@ Task<absl::StatusOr<Established>> RdmaConnector::Connect(
     const ConnectParams& params, QpSetup& setup) {
   std::string ep = Endpoint(params.address, params.port);
   std::string where = absl::StrCat("connect to ", ep);
-  auto sa = ParseAddress(params.address, params.port);
-  if (!sa.ok()) co_return Annotate(sa.status(), where);
+  auto addresses =
+      co_await Resolve(params.address, params.port, params.resolve_timeout);
+  if (!addresses.ok()) co_return Annotate(addresses.status(), where);
+  const absl::Time deadline = absl::Now() + params.connect_timeout;
+  // Every address in turn while the peer is unreachable or refuses (no
+  // listener there): a host name may have several, one per family.
+  for (size_t i = 0;; ++i) {
+    const SocketAddress& a = (*addresses)[i];
+    const std::string at =
+        addresses->size() == 1 && a.Numeric() == params.address
+            ? where
+            : absl::StrCat(where, " (", Endpoint(a.Numeric(), params.port),
+                           ")");
+    std::shared_ptr<CmId> id;
+    auto e = co_await ConnectTo(a, params, setup, at, ep, deadline, id);
+    if (e.ok() || e.status().code() != absl::StatusCode::kUnavailable ||
+        i + 1 == addresses->size() || absl::Now() >= deadline) {
+      co_return e;
+    }
+    setup.Discard();  // the QP before the id it was created on
+    id.reset();
+  }
+}
+
+Task<absl::StatusOr<Established>> RdmaConnector::ConnectTo(
+    const SocketAddress& sa, const ConnectParams& params, QpSetup& setup,
+    const std::string& where, const std::string& ep, absl::Time deadline,
+    std::shared_ptr<CmId>& id) {
   auto ch = events();
   if (!ch.ok()) co_return Annotate(ch.status(), where);
-  std::shared_ptr<CmId> id;
   absl::StatusOr<AttemptQp> a = absl::UnknownError("no attempt");
   // iWARP: an EADDRNOTAVAIL from rdma_connect (the TCP source port rdma_cm
   // chose is still taken) is retried with a fresh id and QP after a
@@ -446,13 +479,11 @@ Task<absl::StatusOr<Established>> RdmaConnector::Connect(
   // once, as REJECTED does on IB/RoCE. (Refusals of a live listener and
   // most EADDRNOTAVAILs came from calling rdma_connect on the reactor
   // thread; see OffReactorConnect.)
-  const absl::Time deadline = absl::Now() + params.connect_timeout;
   uint64_t jitter = reinterpret_cast<uintptr_t>(&setup) >> 4;
   for (int attempt = 0;; ++attempt) {
     if (a.ok()) setup.Discard();  // the QP before the id it was created on
     id.reset();
-    auto resolved =
-        co_await ResolvedId(*ch, *sa, params.resolve_timeout, where);
+    auto resolved = co_await ResolvedId(*ch, sa, params.resolve_timeout, where);
     if (!resolved.ok()) co_return resolved.status();
     id = *std::move(resolved);
     a = SetUpQp(id, setup);
@@ -490,8 +521,10 @@ Task<absl::StatusOr<Established>> RdmaConnector::Connect(
                            absl::FormatDuration(params.connect_timeout), ")")
             : ""));
   }
-  auto ev = co_await Expect(*id, RDMA_CM_EVENT_ESTABLISHED,
-                            params.connect_timeout, where, "connecting");
+  auto ev =
+      co_await Expect(*id, RDMA_CM_EVENT_ESTABLISHED,
+                      std::max(deadline - absl::Now(), absl::ZeroDuration()),
+                      where, "connecting");
   if (!ev.ok()) co_return ev.status();
   co_return Finish(id, *a, absl::StrCat(device_.name(), " -> ", ep),
                    std::move(ev->private_data), where);

@@ -23,7 +23,9 @@ namespace {
 using connector_util::Annotate;
 using connector_util::Bytes;
 using connector_util::Endpoint;
-using connector_util::ParseAddress;
+using connector_util::ListenAddress;
+using connector_util::Resolve;
+using connector_util::SocketAddress;
 
 constexpr uint32_t kFrameMagic = 0x53425643;  // "CVBS"
 constexpr uint8_t kFrameRequest = 1, kFrameAccept = 2, kFrameReject = 3;
@@ -151,16 +153,17 @@ Task<absl::StatusOr<FrameIn>> ReadFrame(int fd, absl::Time deadline) {
   co_return f;
 }
 
+// The peer's numeric address and port (an IPv4 peer of an IPv6 listener
+// as "::ffff:a.b.c.d").
 std::string PeerOf(int fd, uint16_t* port) {
-  sockaddr_in sa{};
-  socklen_t l = sizeof(sa);
-  char buf[INET_ADDRSTRLEN] = "?";
+  SocketAddress sa;
+  socklen_t l = sizeof(sa.storage);
   *port = 0;
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &l) == 0) {
-    inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
-    *port = ntohs(sa.sin_port);
-  }
-  return buf;
+  if (getpeername(fd, sa.get(), &l) != 0) return "?";
+  *port = ntohs(sa.family() == AF_INET6
+                    ? reinterpret_cast<sockaddr_in6*>(&sa.storage)->sin6_port
+                    : reinterpret_cast<sockaddr_in*>(&sa.storage)->sin_port);
+  return sa.Numeric();
 }
 
 class SoftLink final : public ConnectionLink {
@@ -197,18 +200,16 @@ absl::StatusOr<std::string> SetUpQp(QpSetup& setup, QueuePair** qp_out) {
 }
 
 // The TCP connection of a connect, up to the moment frames can flow.
-Task<absl::StatusOr<Fd>> TcpConnect(const sockaddr_in& sa,
+Task<absl::StatusOr<Fd>> TcpConnect(const SocketAddress& sa,
                                     const std::string& where,
                                     absl::Time deadline) {
-  Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  Fd fd(socket(sa.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) {
     co_return absl::UnavailableError(
         absl::StrCat(where, ": socket: ", strerror(errno)));
   }
   soft::ConfigureSocket(fd.get());
-  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) !=
-          0 &&
-      errno != EINPROGRESS) {
+  if (connect(fd.get(), sa.get(), sa.length) != 0 && errno != EINPROGRESS) {
     co_return absl::UnavailableError(
         absl::StrCat(where, ": unreachable: ", strerror(errno)));
   }
@@ -356,10 +357,25 @@ class TcpConnector final : public Connector {
                                             QpSetup& setup) override {
     std::string ep = Endpoint(params.address, params.port);
     std::string where = absl::StrCat("connect to ", ep);
-    auto sa = ParseAddress(params.address, params.port);
-    if (!sa.ok()) co_return Annotate(sa.status(), where);
+    auto addresses =
+        co_await Resolve(params.address, params.port, params.resolve_timeout);
+    if (!addresses.ok()) co_return Annotate(addresses.status(), where);
     absl::Time deadline = absl::Now() + params.connect_timeout;
-    auto fd = co_await TcpConnect(*sa, where, deadline);
+    // Every address in turn, until one answers: "localhost" may name ::1
+    // first while the server listens on 127.0.0.1 only.
+    absl::StatusOr<Fd> fd = absl::UnknownError("no address");
+    for (size_t i = 0; i < addresses->size(); ++i) {
+      const SocketAddress& a = (*addresses)[i];
+      const std::string at =
+          addresses->size() == 1 && a.Numeric() == params.address
+              ? where
+              : absl::StrCat(where, " (", Endpoint(a.Numeric(), params.port),
+                             ")");
+      fd = co_await TcpConnect(a, at, deadline);
+      if (fd.ok() || fd.status().code() != absl::StatusCode::kUnavailable) {
+        break;
+      }
+    }
     if (!fd.ok()) co_return fd.status();
     QueuePair* qp = nullptr;
     auto pd = SetUpQp(setup, &qp);
@@ -395,17 +411,16 @@ class TcpConnector final : public Connector {
   absl::StatusOr<std::shared_ptr<PassiveEndpoint>> Listen(
       const std::string& address, uint16_t port, int backlog) override {
     std::string where = absl::StrCat("listen on ", Endpoint(address, port));
-    auto sa = ParseAddress(address, port);
+    auto sa = ListenAddress(address, port);
     if (!sa.ok()) return Annotate(sa.status(), where);
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    Fd fd(socket(sa->family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (fd.get() < 0) {
       return absl::UnavailableError(
           absl::StrCat(where, ": socket: ", strerror(errno)));
     }
     int one = 1;
     setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&*sa), sizeof(*sa)) !=
-        0) {
+    if (bind(fd.get(), sa->get(), sa->length) != 0) {
       return absl::UnavailableError(
           absl::StrCat(where, ": bind: ", strerror(errno)));
     }
@@ -413,11 +428,13 @@ class TcpConnector final : public Connector {
       return absl::UnavailableError(
           absl::StrCat(where, ": listen: ", strerror(errno)));
     }
-    sockaddr_in bound{};
-    socklen_t l = sizeof(bound);
-    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &l);
-    return std::make_shared<TcpEndpoint>(std::move(fd), address,
-                                         ntohs(bound.sin_port));
+    SocketAddress bound;
+    socklen_t l = sizeof(bound.storage);
+    getsockname(fd.get(), bound.get(), &l);
+    // sin_port and sin6_port sit at the same offset.
+    const uint16_t bound_port =
+        ntohs(reinterpret_cast<sockaddr_in*>(&bound.storage)->sin_port);
+    return std::make_shared<TcpEndpoint>(std::move(fd), address, bound_port);
   }
 };
 

@@ -1,0 +1,227 @@
+#include "rpc/client_pool.h"
+
+#include <algorithm>
+#include <stop_token>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/reactor.h"
+#include "core/sync.h"
+
+namespace coverbs::rpc {
+namespace internal {
+
+// One connection of a reactor: to one server. Touched on its reactor only.
+struct PoolSlot {
+  ServerAddress server;
+  std::shared_ptr<Client> client;  // live, or null while (re)connecting
+  absl::Status last_error = absl::UnavailableError("not connected yet");
+  Event down;  // a call saw the connection fail: act now
+};
+
+// A reactor's share of the pool. Fields other than stop are touched on that
+// reactor only; calls hold a reference, so it outlives them.
+struct PoolReactor {
+  cm::Worker* worker = nullptr;
+  Reactor* reactor = nullptr;
+  std::vector<std::shared_ptr<PoolSlot>> slots;
+  size_t next = 0;  // round-robin cursor
+  size_t live = 0;
+  Event ready;  // set while at least one slot is live, or after shutdown
+  bool shut_down = false;
+  std::stop_source stop;
+
+  std::shared_ptr<PoolSlot> PickLive() {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      auto& s = slots[(next + i) % slots.size()];
+      if (s->client != nullptr && s->client->status().ok()) {
+        next = (next + i + 1) % slots.size();
+        return s;
+      }
+    }
+    return nullptr;
+  }
+
+  std::string LastErrors() const {
+    std::string out;
+    for (const auto& s : slots) {
+      absl::StrAppend(&out, out.empty() ? "" : "; ", s->server.address, ":",
+                      s->server.port, ": ", s->last_error.ToString());
+    }
+    return out;
+  }
+};
+
+}  // namespace internal
+
+using internal::PoolReactor;
+using internal::PoolSlot;
+
+absl::StatusOr<std::unique_ptr<ClientPool>> ClientPool::Create(
+    cm::WorkerPool& workers, ClientPoolOptions options) {
+  if (options.servers.empty()) {
+    return absl::InvalidArgumentError("client pool: no server address given");
+  }
+  if (options.reconnect_min <= absl::ZeroDuration() ||
+      options.reconnect_min > options.reconnect_max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("client pool: reconnect_min (",
+                     absl::FormatDuration(options.reconnect_min),
+                     ") must be positive and at most reconnect_max (",
+                     absl::FormatDuration(options.reconnect_max), ")"));
+  }
+  std::unique_ptr<ClientPool> pool(new ClientPool(std::move(options)));
+  for (size_t i = 0; i < workers.size(); ++i) {
+    auto r = std::make_shared<PoolReactor>();
+    r->worker = &workers.worker(i);
+    r->reactor = &r->worker->reactor();
+    for (const ServerAddress& a : pool->options_.servers) {
+      auto s = std::make_shared<PoolSlot>();
+      s->server = a;
+      r->slots.push_back(std::move(s));
+    }
+    pool->reactors_.push_back(std::move(r));
+  }
+  {
+    std::lock_guard<std::mutex> lock(pool->mu_);
+    pool->loops_ = workers.size() * pool->options_.servers.size();
+  }
+  for (auto& r : pool->reactors_) {
+    for (size_t s = 0; s < r->slots.size(); ++s) {
+      r->reactor->Spawn(pool->Maintain(r, s), r->stop.get_token());
+    }
+  }
+  return pool;
+}
+
+ClientPool::~ClientPool() { Shutdown(); }
+
+void ClientPool::LoopEnded() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--loops_ == 0) cv_.notify_all();
+}
+
+// Keeps one slot connected until the pool stops: connect (with back-off
+// while it fails), watch, close what went down, again.
+Task<void> ClientPool::Maintain(std::shared_ptr<PoolReactor> r, size_t index) {
+  std::shared_ptr<PoolSlot> s = r->slots[index];
+  std::stop_token stop = r->stop.get_token();
+  absl::Duration backoff = options_.reconnect_min;
+  // Spreads the reconnects of many slots (and pools) apart.
+  uint64_t jitter = reinterpret_cast<uintptr_t>(s.get()) >> 4;
+  while (!stop.stop_requested()) {
+    auto c = co_await Client::Connect(*r->worker, s->server.address,
+                                      s->server.port, options_.client);
+    if (!c.ok()) {
+      if (stop.stop_requested()) break;
+      s->last_error = c.status();
+      counters_.connect_failures.fetch_add(1);
+      jitter = jitter * 6364136223846793005ull + 1442695040888963407ull;
+      // backoff * [0.75, 1.25)
+      const double f = 0.75 + static_cast<double>((jitter >> 33) % 1000) / 2000;
+      absl::Status slept = co_await r->reactor->Sleep(backoff * f);
+      backoff = std::min(backoff * 2, options_.reconnect_max);
+      if (!slept.ok()) break;
+      continue;
+    }
+    backoff = options_.reconnect_min;
+    s->client = std::shared_ptr<Client>(*std::move(c));
+    s->last_error = absl::OkStatus();
+    s->down.Reset();
+    counters_.connects.fetch_add(1);
+    counters_.live.fetch_add(1);
+    if (r->live++ == 0) r->ready.Set();
+    while (s->client->status().ok() && !stop.stop_requested()) {
+      absl::Status w = co_await s->down.WaitFor(options_.check_interval);
+      if (w.code() == absl::StatusCode::kCancelled) break;
+      s->down.Reset();
+    }
+    std::shared_ptr<Client> old = std::move(s->client);
+    counters_.live.fetch_sub(1);
+    if (--r->live == 0) r->ready.Reset();
+    const bool lost = !old->status().ok();
+    s->last_error =
+        lost ? old->status() : absl::UnavailableError("client pool shut down");
+    // Calls still on it fail now (UNAVAILABLE) and drop their references.
+    (void)co_await coverbs::internal::Unstoppable(old->Close());
+    if (lost && !stop.stop_requested()) counters_.losses.fetch_add(1);
+  }
+  LoopEnded();
+}
+
+Task<absl::StatusOr<Response>> ClientPool::Call(
+    std::string_view method, std::span<const std::byte> payload,
+    CallOptions options) {
+  if (options.deadline == absl::InfiniteFuture()) {
+    options.deadline = absl::Now() + options_.default_deadline;
+  }
+  Reactor* here = Reactor::Current();
+  std::shared_ptr<PoolReactor> r;
+  for (const auto& p : reactors_) {
+    if (p->reactor == here) r = p;
+  }
+  if (r == nullptr) {
+    co_return absl::FailedPreconditionError(
+        "ClientPool::Call must run on one of the pool's reactors");
+  }
+  for (;;) {
+    if (r->shut_down) {
+      co_return absl::UnavailableError("client pool shut down");
+    }
+    if (std::shared_ptr<PoolSlot> s = r->PickLive()) {
+      std::shared_ptr<Client> c = s->client;
+      counters_.calls.fetch_add(1);
+      absl::StatusOr<Response> resp =
+          co_await c->Call(method, payload, options);
+      if (!resp.ok() && !c->status().ok()) s->down.Set();
+      co_return resp;
+    }
+    const absl::Duration left = options.deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      co_return absl::DeadlineExceededError(absl::StrCat(
+          "call ", std::string(method),
+          ": no live connection before the deadline (", r->LastErrors(), ")"));
+    }
+    absl::Status w = co_await r->ready.WaitFor(left);
+    if (!w.ok() && w.code() != absl::StatusCode::kDeadlineExceeded) {
+      co_return absl::Status(
+          w.code(),
+          absl::StrCat("call ", std::string(method), ": ", w.message()));
+    }
+  }
+}
+
+Task<absl::StatusOr<Response>> ClientPool::Call(
+    std::string_view method, std::span<const std::byte> payload) {
+  return Call(method, payload, CallOptions{});
+}
+
+void ClientPool::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  for (auto& r : reactors_) {
+    r->reactor->Post([r]() {
+      r->shut_down = true;
+      r->stop.request_stop();
+      r->ready.Set();  // waiting calls see shut_down
+      for (auto& s : r->slots) s->down.Set();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return loops_ == 0; });
+}
+
+ClientPool::Stats ClientPool::stats() const {
+  Stats s;
+  s.connects = counters_.connects.load();
+  s.connect_failures = counters_.connect_failures.load();
+  s.losses = counters_.losses.load();
+  s.calls = counters_.calls.load();
+  s.live = counters_.live.load();
+  return s;
+}
+
+}  // namespace coverbs::rpc

@@ -1,0 +1,134 @@
+// rpc::ClientPool: rpc::Clients to several servers from every reactor of a
+// cm::WorkerPool, reconnected with back-off, with a default deadline.
+//
+//   auto pool = rpc::ClientPool::Create(workers, {.servers = {{"10.0.0.1",
+//   7471},
+//                                                             {"10.0.0.2",
+//                                                             7471}}});
+//   // in a coroutine on one of the WorkerPool's reactors:
+//   absl::StatusOr<rpc::Response> r = co_await (*pool)->Call("Echo", bytes);
+//   ...
+//   (*pool)->Shutdown();  // before the WorkerPool goes
+//
+// Contract:
+//  - Every reactor of the WorkerPool holds one connection to every server
+//    (an rpc::Client on that reactor's Worker). A call uses the connections
+//    of the reactor it runs on, round-robin over the live ones: no call
+//    crosses threads.
+//  - A lost connection (server stopped or killed, link down, protocol
+//    error): the calls in flight on it fail with UNAVAILABLE naming the
+//    connection and the cause (rpc::Client's contract); later calls go to
+//    the reactor's other live connections. The lost one is reconnected in
+//    the background: at once, then after reconnect_min, doubling up to
+//    reconnect_max (each pause jittered by up to +-25%) while connecting
+//    fails.
+//  - A call that finds no live connection on its reactor waits for one
+//    until its deadline, then fails with DEADLINE_EXCEEDED naming the last
+//    connect failure.
+//  - A call without a deadline (CallOptions::deadline infinite) gets
+//    now + default_deadline.
+//  - Threads: Call on one of the WorkerPool's reactor threads; Create,
+//    stats and Shutdown from any thread outside the pool.
+#ifndef COVERBS_RPC_CLIENT_POOL_H_
+#define COVERBS_RPC_CLIENT_POOL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cm/worker_pool.h"
+#include "core/task.h"
+#include "rpc/client.h"
+#include "rpc/payload.h"
+
+namespace coverbs::rpc {
+
+struct ServerAddress {
+  std::string address;  // IPv4 / IPv6 literal or host name
+  uint16_t port = 0;
+};
+
+struct ClientPoolOptions {
+  std::vector<ServerAddress> servers;  // at least one
+  ClientOptions client;                // for every connection
+  // Deadline of a call whose CallOptions give none.
+  absl::Duration default_deadline = absl::Seconds(30);
+  // Pauses between failed connects of one connection.
+  absl::Duration reconnect_min = absl::Milliseconds(20);
+  absl::Duration reconnect_max = absl::Seconds(2);
+  // How often an idle connection's state is checked (a loss seen by a call
+  // is acted on at once).
+  absl::Duration check_interval = absl::Milliseconds(100);
+};
+
+namespace internal {
+struct PoolReactor;  // rpc/client_pool.cc
+}  // namespace internal
+
+class ClientPool {
+ public:
+  // Starts connecting from every reactor of `workers` (which must outlive
+  // Shutdown). InvalidArgument without servers or with reconnect_min >
+  // reconnect_max.
+  static absl::StatusOr<std::unique_ptr<ClientPool>> Create(
+      cm::WorkerPool& workers, ClientPoolOptions options);
+  // Shutdown().
+  ~ClientPool();
+  ClientPool(const ClientPool&) = delete;
+  ClientPool& operator=(const ClientPool&) = delete;
+
+  // As rpc::Client::Call, on a live connection of the calling reactor.
+  // FailedPrecondition when not called on one of the pool's reactors;
+  // UNAVAILABLE once the pool is shut down.
+  // (Overloads, not default arguments: gcc 12 mis-copies default-argument
+  // temporaries of coroutines inside co_await expressions.)
+  Task<absl::StatusOr<Response>> Call(std::string_view method,
+                                      std::span<const std::byte> payload,
+                                      CallOptions options);
+  Task<absl::StatusOr<Response>> Call(std::string_view method,
+                                      std::span<const std::byte> payload);
+
+  // Stops reconnecting, closes every connection (calls in flight fail with
+  // UNAVAILABLE, waiting ones too) and waits until nothing of the pool runs
+  // on its reactors. Idempotent. Not on one of the pool's reactor threads.
+  void Shutdown();
+
+  struct Stats {
+    uint64_t connects = 0;          // connections established in all
+    uint64_t connect_failures = 0;  // failed attempts
+    uint64_t losses = 0;            // established connections that went down
+    uint64_t calls = 0;             // calls given to a connection
+    uint64_t live = 0;              // connections usable now
+  };
+  Stats stats() const;
+
+ private:
+  struct Counters {
+    std::atomic<uint64_t> connects{0}, connect_failures{0}, losses{0}, calls{0},
+        live{0};
+  };
+  ClientPool(ClientPoolOptions options) : options_(std::move(options)) {}
+  Task<void> Maintain(std::shared_ptr<internal::PoolReactor> r, size_t slot);
+  void LoopEnded();
+
+  ClientPoolOptions options_;
+  std::vector<std::shared_ptr<internal::PoolReactor>> reactors_;
+  Counters counters_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t loops_ = 0;        // under mu_: Maintain coroutines still running
+  bool shut_down_ = false;  // under mu_
+};
+
+}  // namespace coverbs::rpc
+
+#endif  // COVERBS_RPC_CLIENT_POOL_H_
