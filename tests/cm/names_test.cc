@@ -159,21 +159,6 @@ TEST_P(NamesTest, NameThatResolvesToNothing) {
   }(this));
 }
 
-// The lookup runs off the reactor; its wait ends at the resolve timeout.
-TEST_P(NamesTest, ResolveTimeoutBoundsTheLookup) {
-  Run([](NamesTest* t) -> Task<void> {
-    ConnectOptions co;
-    co.resolve_timeout = absl::ZeroDuration();
-    auto c = co_await Connect(*t->client_ctx_, "localhost", 7471, co);
-    EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded)
-        << c.status();
-    EXPECT_TRUE(absl::StrContains(c.status().message(),
-                                  "address resolution of 'localhost' did not "
-                                  "finish within"))
-        << c.status();
-  }(this));
-}
-
 INSTANTIATE_TEST_SUITE_P(Providers, NamesTest, ::testing::Values("soft"),
                          [](const auto& info) { return info.param; });
 
