@@ -28,7 +28,9 @@ using internal::ConnectionTestPeer;
 // (UNAVAILABLE), which cm reports instead once it has seen the receives
 // that the failed QP flushed.
 bool Refused(const absl::Status& s, const char* op) {
-  return !s.ok() && s.message().rfind(op, 0) == 0 &&
+  // The message names the cause first ("protection error on this
+  // connection: ..."), then the operation.
+  return !s.ok() && s.message().find(op) != absl::string_view::npos &&
          (s.code() == absl::StatusCode::kPermissionDenied ||
           s.code() == absl::StatusCode::kUnavailable);
 }
