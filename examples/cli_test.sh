@@ -76,8 +76,8 @@ expect 2 "--max_memory_mb=0 is out of range" "$echo_client" --max_memory_mb=0
 # The client's wording: nothing about listening.
 expect 2 "give the server's address" "$echo_client" --server=
 expect_lacks "listen" "$echo_client" --server=
-# A host name is not resolved: the reason says so without claiming that
-# localhost fails (it is taken as 127.0.0.1).
-expect 1 "is not a numeric IPv4 address or 'localhost'" \
+# A name that does not resolve: the reason names the name and the
+# resolver's answer (.invalid never resolves, RFC 2606).
+expect 1 "address resolution failed: 'no-such-host.invalid'" \
   "$echo_client" --provider=soft --server=no-such-host.invalid --port=9 --calls=1
 exit $fail
