@@ -150,7 +150,14 @@ TEST_P(InlineSendTest, FlushedInlineSendsCompleteAndTheQpDrains) {
 TEST_P(InlineSendTest, DestroyedWithInlineSendsInFlight) {
   char msg[16] = {};
   LocalBuffer one{msg, sizeof(msg), 0};
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(a_->PostInlineSend({&one, 1}).ok());
+  for (int i = 0; i < 3; ++i) {
+    absl::Status s = a_->PostInlineSend({&one, 1});
+    // iWARP has no RNR: the peer (no receives) terminates the connection on
+    // the first send, and once that reached us later posts are refused
+    // (seen on siw when the VM is fast). What is in flight is then destroyed.
+    if (!s.ok() && i > 0 && !model().has_rnr && a_->in_error()) break;
+    ASSERT_TRUE(s.ok()) << s;
+  }
   // The destructor waits for their completions (or flushes): nothing left
   // in the CQ names the freed QP (ASan would see it on the next poll).
   a_.reset();
