@@ -1,5 +1,5 @@
 // A handler that keeps its reactor busy must cost its callers time, never
-// their connection: a real server process (busy_server_peer) whose handler
+// their connection: a real server process (rpc_server_peer) whose handler
 // blocks its reactor, or burns its CPU, while other calls on the same
 // connection are in flight. On an RDMA NIC the hardware acknowledges while
 // the host is busy; on soft the progress thread takes over a stalled
@@ -26,14 +26,14 @@ using namespace rpc_test_util;  // NOLINT: the fixture and its helpers
 // The helper's path: the runfiles path under bazel test, else the binary
 // next to this one (the VM harness).
 std::string HelperPath() {
-  const char* helper = std::getenv("COVERBS_BUSY_SERVER_PEER");
-  std::string path = helper ? helper : "tests/rpc/busy_server_peer";
+  const char* helper = std::getenv("COVERBS_RPC_SERVER_PEER");
+  std::string path = helper ? helper : "tests/rpc/rpc_server_peer";
   if (access(path.c_str(), X_OK) != 0) {
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n > 0) {
       std::string exe(self, n);
-      path = exe.substr(0, exe.rfind('/') + 1) + "busy_server_peer";
+      path = exe.substr(0, exe.rfind('/') + 1) + "rpc_server_peer";
     }
   }
   return path;
@@ -41,7 +41,7 @@ std::string HelperPath() {
 
 class BusyHandlerTest : public RpcTest {
  protected:
-  // Starts busy_server_peer and reads its port.
+  // Starts rpc_server_peer and reads its port.
   void StartPeer() {
     std::string path = HelperPath();
     ASSERT_EQ(access(path.c_str(), X_OK), 0) << "helper not found: " << path;

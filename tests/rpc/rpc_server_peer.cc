@@ -1,14 +1,23 @@
-// The server process rpc_test's "server killed during calls" case forks,
-// execs and kills:
+// The server process that rpc_test's "server killed during calls" case and
+// busy_handler_test fork, exec and kill:
 //   rpc_server_peer <provider> <address> <fd>
-// Serves "Echo" and "Hang" (never answers; honours cancellation) on a port
-// it writes, as decimal text, to file descriptor <fd>, then waits to be
-// killed (at most 120 s).
+// Serves on one reactor, on a port it writes, as decimal text, to file
+// descriptor <fd>, then waits to be killed (at most 120 s):
+//   "Echo":  the request back.
+//   "Hang":  never answers; honours cancellation.
+//   "Block": blocks its reactor thread for the milliseconds the request
+//            names (decimal text), then answers "done" -- a careless service.
+//   "Burn":  copies 64 MiB back and forth (memcpy) for the milliseconds the
+//            request names, on its reactor, then answers "done".
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cm/worker.h"
 #include "core/reactor.h"
@@ -16,6 +25,16 @@
 #include "transport/device.h"
 
 namespace {
+
+int Millis(const coverbs::rpc::Request& req) {
+  std::string text(reinterpret_cast<const char*>(req.payload.data().data()),
+                   req.payload.data().size());
+  return std::atoi(text.c_str());
+}
+
+coverbs::rpc::Payload Done() {
+  return coverbs::rpc::Payload::Copy(std::string_view("done"));
+}
 
 coverbs::Task<int> Main(coverbs::rpc::Server* server, coverbs::cm::Worker* ctx,
                         std::string addr, int fd) {
@@ -69,6 +88,28 @@ int main(int argc, char** argv) {
             co_await coverbs::Reactor::Current()->Sleep(absl::Seconds(120));
         if (!s.ok()) co_return s;
         co_return coverbs::rpc::Payload();
+      });
+  if (!reg.ok()) return 6;
+  reg = server.Register(
+      "Block", [](coverbs::rpc::Request req)
+                   -> coverbs::Task<absl::StatusOr<coverbs::rpc::Payload>> {
+        std::this_thread::sleep_for(std::chrono::milliseconds(Millis(req)));
+        co_return Done();
+      });
+  if (!reg.ok()) return 6;
+  reg = server.Register(
+      "Burn", [](coverbs::rpc::Request req)
+                  -> coverbs::Task<absl::StatusOr<coverbs::rpc::Payload>> {
+        constexpr size_t kSize = size_t{64} << 20;
+        std::vector<char> a(kSize, 'a');
+        std::vector<char> b(kSize);
+        auto until = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(Millis(req));
+        while (std::chrono::steady_clock::now() < until) {
+          std::memcpy(b.data(), a.data(), kSize);
+          std::memcpy(a.data(), b.data(), kSize);
+        }
+        co_return Done();
       });
   if (!reg.ok()) return 6;
   return (*r)->BlockOn(
