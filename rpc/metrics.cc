@@ -2,13 +2,13 @@
 
 #include <array>
 #include <exception>
+#include <mutex>
+#include <shared_mutex>
 #include <sstream>
 #include <utility>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
@@ -118,9 +118,10 @@ struct ServerMetrics::MethodMetrics {
 struct ServerMetrics::Families {
   prometheus::Family<prometheus::Histogram>* latency = nullptr;
   prometheus::Family<prometheus::Counter>* calls = nullptr;
-  absl::Mutex mu;
-  absl::flat_hash_map<uint32_t, std::unique_ptr<MethodMetrics>> methods
-      ABSL_GUARDED_BY(mu);
+  // std (pthread) lock rather than absl::Mutex: the system's prebuilt absl is
+  // not instrumented for ThreadSanitizer.
+  std::shared_mutex mu;
+  absl::flat_hash_map<uint32_t, std::unique_ptr<MethodMetrics>> methods;  // mu
 };
 
 ServerMetrics::ServerMetrics() : ServerMetrics(Options{}) {}
@@ -157,11 +158,11 @@ void ServerMetrics::Watch(const Server* server) { stats_->Watch(server); }
 ServerMetrics::MethodMetrics& ServerMetrics::ForMethod(const CallRecord& call) {
   Families& f = *families_;
   {
-    absl::ReaderMutexLock lock(&f.mu);
+    std::shared_lock lock(f.mu);
     auto it = f.methods.find(call.method_id);
     if (it != f.methods.end()) return *it->second;
   }
-  absl::MutexLock lock(&f.mu);
+  std::unique_lock lock(f.mu);
   std::unique_ptr<MethodMetrics>& m = f.methods[call.method_id];
   if (m == nullptr) {
     m = std::make_unique<MethodMetrics>();
@@ -179,7 +180,7 @@ void ServerMetrics::Record(const CallRecord& call) {
   if (code >= kCodes) return;  // not a canonical code: not counted
   prometheus::Counter* counter = m.calls[code].load(std::memory_order_acquire);
   if (counter == nullptr) {
-    absl::MutexLock lock(&families_->mu);
+    std::unique_lock lock(families_->mu);
     counter = m.calls[code].load(std::memory_order_relaxed);
     if (counter == nullptr) {
       counter = &families_->calls->Add(
