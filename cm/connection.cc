@@ -48,7 +48,15 @@ Task<absl::StatusOr<uint64_t>> Connection::CompareSwap(
     transport::RemoteRegion remote, uint64_t compare, uint64_t swap) {
   return impl_->Atomic(true, remote, compare, swap);
 }
-Task<absl::Status> Connection::Close() { return impl_->Close(); }
+namespace {
+// The state stays alive until Close ends, even when another caller's Close
+// returns first and destroys the Connection.
+Task<absl::Status> CloseHolding(std::shared_ptr<internal::ConnectionImpl> impl) {
+  co_return co_await impl->Close();
+}
+}  // namespace
+
+Task<absl::Status> Connection::Close() { return CloseHolding(impl_); }
 
 absl::Status Connection::status() const { return impl_->status(); }
 CloseCause Connection::close_cause() const { return impl_->close_cause(); }

@@ -361,6 +361,13 @@ void ConnectionImpl::Fail(absl::Status why) { Fail(CauseOfWc(why), why); }
 void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
   if (!status_.ok()) return;
   COVERBS_CM_TRACE(name_, ": down: ", why.ToString());
+  if (goodbye_sent_ && (cause == CloseCause::kPeerGone ||
+                        cause == CloseCause::kTransportError)) {
+    // Our goodbye went out: the peer may tear the link down before Close
+    // gets to mark itself closing, and its flush is no news.
+    cause = CloseCause::kLocalClose;
+    why = absl::UnavailableError("closed locally");
+  }
   const char* words = CloseCauseName(cause);
   cause_ = cause;
   // The cause in words first; the detail (verbs status, what failed) after,
@@ -487,9 +494,13 @@ Task<void> PollUnstoppable(Reactor& reactor, Done done, absl::Time until,
 }  // namespace
 
 Task<absl::Status> ConnectionImpl::Close() {
-  if (closing_) {
-    co_return absl::OkStatus();
+  if (close_started_) {
+    // A second Close returns once the first is done (bounded, as it is), so
+    // that its caller may then destroy the connection.
+    co_return co_await close_done_.WaitFor(2 * options_.close_timeout +
+                                           absl::Seconds(1));
   }
+  close_started_ = true;
   absl::Duration t = options_.close_timeout;
   COVERBS_CM_TRACE(name_, ": Close: status ", status_.ToString(),
                    ", peer_closed ", peer_closed_, ", outstanding WRs ",
@@ -511,6 +522,7 @@ Task<absl::Status> ConnectionImpl::Close() {
       co_await self->SendControl(kGoodbye, 0, 0, {});
       co_return absl::OkStatus();
     };
+    goodbye_sent_ = true;
     absl::Status s = co_await WithTimeout(bye(this), t);
     (void)s;  // a peer that cannot take it is gone anyway
   }
@@ -552,6 +564,7 @@ Task<absl::Status> ConnectionImpl::Close() {
       t);
   if (!s.ok() && result.ok()) result = s;
   COVERBS_CM_TRACE(name_, ": Close done: ", result.ToString());
+  close_done_.Set();
   co_return result;
 }
 

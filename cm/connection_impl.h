@@ -476,6 +476,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status status_;  // non-OK once down
   CloseCause cause_ = CloseCause::kNone;
   bool closing_ = false;
+  bool goodbye_sent_ = false;  // Close posted ours: a later flush is ours
+  bool close_started_ = false;
+  Event close_done_{false};  // the first Close() ended
   WaitGroup tasks_;  // internal control sends in flight
 
   // 8-byte result buffers for atomics.

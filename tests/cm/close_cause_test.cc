@@ -79,6 +79,31 @@ TEST_P(CloseCauseTest, OrderlyCloseIsClosedByThePeerAndClosedLocally) {
   }(this));
 }
 
+// The peer closes the moment our goodbye arrives, so its teardown can reach
+// us before our goodbye's send completes: that flush is still our close.
+TEST_P(CloseCauseTest, PeerTearingDownOnOurGoodbyeIsStillALocalClose) {
+  Run([](CloseCauseTest* t) -> Task<void> {
+    for (int round = 0; round < 10; ++round) {
+      auto p = co_await t->MakePair();
+      CO_ASSERT_OK(p);
+      auto on_goodbye = [](Connection* server) -> Task<void> {
+        auto end = co_await server->Recv();
+        EXPECT_FALSE(end.ok());
+        co_await server->Close();
+      };
+      t->reactor_->Spawn(on_goodbye(p->server.get()));
+      CO_ASSERT_OK(co_await p->client->Close());
+      EXPECT_EQ(p->client->close_cause(), CloseCause::kLocalClose)
+          << "round " << round << ": " << p->client->status();
+      EXPECT_TRUE(StartsWith(p->client->status(), "closed locally"))
+          << p->client->status();
+      co_await Close(*p);
+      EXPECT_EQ(p->server->close_cause(), CloseCause::kPeerClosed)
+          << p->server->status();
+    }
+  }(this));
+}
+
 // A READ naming a key the peer never gave: the requester's connection ends
 // with a protection error, the verbs status in the detail.
 TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
