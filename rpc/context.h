@@ -2,12 +2,13 @@
 // what it can do on the caller's connection. rpc::Request is a Context with
 // the request's payload.
 //
-//   server.Register("Snapshot", [](rpc::Request r) -> Task<...> {
-//     if (r.app_data() != "tenant-a") co_return
-//     absl::PermissionDeniedError(..); auto region = r.Expose(mr);   // this
-//     caller's connection only r.KeepUntilClose(owner);      // the region
-//     outlives the response
-//     ...
+//   server.Register(kSnapshot, [](rpc::Context& ctx, int32_t)
+//                                   -> Task<absl::StatusOr<RemoteRegion>> {
+//     if (ctx.app_data() != "tenant-a") co_return absl::PermissionDeniedError("..");
+//     std::string& bytes = ctx.KeepUntilClose(std::string(...));
+//     CO_ASSIGN_OR_RETURN(auto mr, ctx.connection().worker().pd().Register(..));
+//     // The region outlives the response; the key is this caller's only.
+//     co_return ctx.Expose(ctx.KeepUntilClose(std::move(mr)));
 //   });
 //
 // Contract:
@@ -29,6 +30,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -82,6 +84,16 @@ class Context {
   // gone before the memory is deregistered.
   void KeepUntilClose(std::shared_ptr<void> owner) const {
     keep_->push_back(std::move(owner));
+  }
+  // The same for a value (a buffer, a MemoryRegion), moved into the
+  // connection's keeping: returns it where it stays until the release.
+  template <typename T>
+    requires(!std::is_convertible_v<T, std::shared_ptr<void>>)
+  T& KeepUntilClose(T value) const {
+    auto owner = std::make_shared<T>(std::move(value));
+    T& kept = *owner;
+    keep_->push_back(std::move(owner));
+    return kept;
   }
 
  private:

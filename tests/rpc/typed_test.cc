@@ -78,18 +78,16 @@ class TypedTest : public RpcTest {
         s.Register("Snapshot",
                    [](Context& ctx, std::string text)
                        -> Task<absl::StatusOr<transport::RemoteRegion>> {
+                     // Both forms: a shared owner, and a value kept in
+                     // place. Released newest first: region, then bytes.
                      auto buf = std::make_shared<std::string>(std::move(text));
+                     ctx.KeepUntilClose(buf);
                      auto mr = ctx.connection().worker().pd().Register(
                          AsWritable(*buf), transport::Access::kRemoteRead);
                      if (!mr.ok()) co_return mr.status();
-                     auto mrp = std::make_shared<transport::MemoryRegion>(
-                         *std::move(mr));
-                     absl::StatusOr<transport::RemoteRegion> token =
-                         ctx.Expose(*mrp);
-                     // Released newest first: the region, then its bytes.
-                     ctx.KeepUntilClose(buf);
-                     ctx.KeepUntilClose(mrp);
-                     co_return token;
+                     transport::MemoryRegion& kept =
+                         ctx.KeepUntilClose(*std::move(mr));
+                     co_return ctx.Expose(kept);
                    })
             .ok());
     // Waits for its caller to give up, and says whether it saw the stop.
