@@ -2,8 +2,12 @@
 // awaiting coroutine on its own reactor, so that the reactor goes on
 // serving its other tasks and connections meanwhile.
 //
-//   absl::StatusOr<Snapshot> s = co_await coverbs::Offload(
-//       [table = shared_table] { return table->Copy(); });
+//   auto copy = [table = shared_table] { return table->Copy(); };
+//   absl::StatusOr<Snapshot> s = co_await coverbs::Offload(copy);
+//
+// (The callable named first: gcc 12 destroys a lambda temporary that
+// captures a shared_ptr inside a co_await expression twice; README.md,
+// "Building your own code".)
 //
 // Contract:
 //  - `fn` (a callable with no arguments) runs on a pool thread: the

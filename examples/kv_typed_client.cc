@@ -20,7 +20,7 @@ Task<absl::Status> Main(cm::Worker& worker) {
   CO_ASSIGN_OR_RETURN(auto client, co_await rpc::Client::Connect(
                                        worker, absl::GetFlag(FLAGS_server),
                                        absl::GetFlag(FLAGS_port)));
-  const size_t n = absl::GetFlag(FLAGS_keys);
+  size_t n = absl::GetFlag(FLAGS_keys), mismatches = 0;
   auto puts = co_await ForEachBounded(
       n, 16, [&](size_t i) -> Task<absl::StatusOr<uint64_t>> {
         PutArgs args{Key(i), Value(i)};
@@ -31,7 +31,6 @@ Task<absl::Status> Main(cm::Worker& worker) {
         std::string key = Key(i);
         co_return co_await client->Call(kGet, key);
       });
-  size_t mismatches = 0;
   for (size_t i = 0; i < n; ++i) {
     CO_RETURN_IF_ERROR(puts[i].status());
     CO_ASSIGN_OR_RETURN(std::string value, std::move(gets[i]));
@@ -48,9 +47,8 @@ Task<absl::Status> Main(cm::Worker& worker) {
       "%zu key(s) put and got, 16 in flight; snapshot of %zu bytes "
       "read by one RDMA READ: %zu key(s); %zu mismatch(es)\n",
       n, bytes.size(), all.size(), mismatches);
-  CO_RETURN_IF_ERROR(co_await client->Close());
-  co_return mismatches == 0 ? absl::OkStatus()
-                            : absl::DataLossError("values differ");
+  if (mismatches > 0) co_return absl::DataLossError("values differ");
+  co_return co_await client->Close();
 }
 
 int main(int argc, char** argv) {

@@ -2,7 +2,9 @@
 # The typed kv example end to end, as two processes: kv_typed_client puts
 # and gets 500 keys with 16 calls in flight on a 4-reactor server, then
 # reads the whole store by one RDMA READ from the snapshot region; every
-# value must match; then two clients at once. Also holds the example to its size: server + client
+# value must match; then two clients at once; then scrapes the server's
+# /metrics with curl (the Put calls counted per method and code; checked by
+# promtool where installed). Also holds the example to its size: server + client
 # (+ their shared header) in at most 90 lines without blank lines,
 # comments, includes and flag definitions.
 #   kv_typed_test.sh <kv_typed_server> <kv_typed_client> <source dir>
@@ -19,8 +21,10 @@ lines=$(cat "$src/kv_typed_server.cc" "$src/kv_typed_client.cc" "$src/kv_typed.h
 echo "kv_typed: server + client + header: $lines lines"
 [ "$lines" -le 90 ] || { spid=; fail "kv_typed takes $lines lines (> 90)"; }
 
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$server" --address="$addr" --port="$port" --threads=4 >"$tmp/server.out" 2>&1 &
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+mport=$(free_port)
+"$server" --address="$addr" --port="$port" --threads=4 --metrics_port="$mport" >"$tmp/server.out" 2>&1 &
 spid=$!
 ok=
 for _ in $(seq 1 100); do
@@ -42,6 +46,15 @@ c1=$!
 "$client" --server="$addr" --port="$port" --keys=300 >"$tmp/out2" 2>&1 || fail "second client: $(cat "$tmp/out2")"
 wait "$c1" || fail "first client: $(cat "$tmp/out1")"
 grep -q "0 mismatch(es)" "$tmp/out1" && grep -q "0 mismatch(es)" "$tmp/out2" || fail "concurrent clients"
+# 500 + 2 x 300 Puts, all OK (the first client's tries before the server
+# listened made no call).
+curl -sS --max-time 5 "http://$addr:$mport/metrics" >"$tmp/metrics" || fail "metrics scrape failed"
+puts=$(awk '/^coverbs_rpc_server_method_calls_total\{.*method="Put"/ && /code="OK"/ { print $2 }' "$tmp/metrics")
+[ "$puts" = 1100 ] || fail "metrics: Put OK calls = '$puts', expected 1100: $(grep Put "$tmp/metrics")"
+if command -v promtool >/dev/null; then
+  promtool check metrics <"$tmp/metrics" >"$tmp/promtool" 2>&1 || fail "promtool: $(cat "$tmp/promtool")"
+fi
+echo "metrics: $puts Put calls counted"
 kill -TERM "$spid"
 wait "$spid" || fail "kv_typed_server exit status $?"
 echo PASS
