@@ -9,9 +9,10 @@
 //       attacker's connection: READ and WRITE; Revoke of it: NOT_FOUND;
 //   (b) keys guessed from the ones the attacker sees (its own exposures
 //       and landing grants): neighbours, the soft provider's former
-//       schedule inverted, random keys; none may name a victim's key (all
-//       checked offline), and --wire_guesses of them are tried on the wire
-//       against the victim's region and landing grant;
+//       schedule inverted, random keys. On soft none may name a victim's
+//       key (all checked offline); on verbs a key has 8 random bits, so
+//       some may, and each that does is tried on the wire; then
+//       --wire_guesses of them against the victim's region and grant;
 //   (c) the attacker's own token after its connection closed, and after
 //       Revoke;
 //   (d) an RDMA WRITE into the victim's landing grant, address and rkey
@@ -61,7 +62,7 @@ absl::StatusOr<Leak> ReadLeak(const std::string& path) {
       s >> t.addr >> t.length >> t.rkey;
       leak.token = t;
     } else if (what == "refused") {
-      std::getline(s, leak.refused);
+      std::getline(s >> std::ws, leak.refused);
     } else if (what == "grant") {
       GrantPayload g{};
       s >> g.addr >> g.size >> g.rkey;
@@ -154,6 +155,7 @@ class Attacker {
     if (!leak.ok()) co_return leak.status();
     leak_ = *std::move(leak);
     windows_ = w_.device().caps().memory_windows;
+    iwarp_ = w_.device().caps().transport == transport::TransportKind::kIWarp;
     std::printf("attacker: device %s, memory windows: %s; the victim leaked %s "
                 "and %zu landing grant(s)\n",
                 w_.device().name().c_str(), windows_ ? "yes" : "no",
@@ -201,6 +203,23 @@ class Attacker {
               : co_await client.connection().Read(std::span(buf), aim);
     const char* op = write ? "RDMA WRITE on " : "RDMA READ on ";
     bool ok = Refused(s, op);
+    if (iwarp_ && write && !ok) {
+      // iWARP completes a WRITE once it is sent; the responder refuses it
+      // with a TERMINATE that ends the connection, which either fails the
+      // WRITE itself while parts of it are still to send (a local QP
+      // operation error) or, after the completion, the next round trip.
+      ok = s.code() == absl::StatusCode::kInternal &&
+           s.message().find(op) != absl::string_view::npos &&
+           s.message().find("IBV_WC_LOC_QP_OP_ERR") != absl::string_view::npos;
+      if (s.ok()) {
+        absl::StatusOr<int32_t> pong = co_await Ping(client);
+        ok = !pong.ok();
+        s = absl::Status(pong.status().code(),
+                         absl::StrCat("the WRITE completed locally; the next call on its "
+                                      "connection: ",
+                                      pong.status().ToString()));
+      }
+    }
     refused_ += ok;
     if (ok && !write) {
       for (std::byte b : buf) ok = ok && b == std::byte{0};
@@ -217,12 +236,18 @@ class Attacker {
     (void)co_await client->Close();  // its connection is down: any status
     co_return absl::OkStatus();
   }
+  // A round trip on `client`, bounded.
+  Task<absl::StatusOr<int32_t>> Ping(rpc::Client& client) {
+    const rpc::CallOptions opts{.deadline = absl::Now() + absl::Seconds(20)};
+    const int32_t seven = 7;
+    co_return co_await client.Call(::scope::kPing, seven, opts);
+  }
   // A connection of its own that the server has accepted and served once:
   // the attack comes from a client like any other.
   Task<absl::StatusOr<std::unique_ptr<rpc::Client>>> Served() {
     CO_ASSIGN_OR_RETURN(auto client, co_await Dial(w_));
     ++connections_;
-    absl::StatusOr<int32_t> pong = co_await client->Call(::scope::kPing, 7);
+    absl::StatusOr<int32_t> pong = co_await Ping(*client);
     if (!pong.ok()) co_return pong.status();
     co_return client;
   }
@@ -312,21 +337,39 @@ class Attacker {
   // (b) keys guessed from those it saw, at the victim's region and grant.
   Task<absl::Status> GuessedKeys() {
     std::vector<Guess> guesses = Guesses(seen_, rng_, 64);
-    int named = 0;
+    // Guesses that name a key of the victim, with what that key opens.
+    std::vector<std::pair<Guess, RemoteRegion>> hits;
     for (const Guess& g : guesses) {
-      bool hit = leak_.token && g.key == leak_.token->rkey;
-      for (const auto& gr : leak_.grants) hit = hit || g.key == gr.rkey;
-      if (hit) {
-        Report(false, "(b) guessed key", absl::StrFormat("0x%x (%s) is a victim's key",
-                                                         g.key, g.how));
-        ++named;
+      if (leak_.token && g.key == leak_.token->rkey) hits.push_back({g, *leak_.token});
+      for (const auto& gr : leak_.grants) {
+        if (g.key == gr.rkey) hits.push_back({g, RemoteRegion{gr.addr, 4096, gr.rkey}});
       }
     }
-    Report(named == 0, "(b) offline",
-           absl::StrFormat("%zu guesses from %zu seen key(s): %d name a key of the victim",
-                           guesses.size(), seen_.size(), named));
-    // Targets: the victim's region (READ and WRITE) where it has a token,
-    // its first grant (WRITE).
+    const std::string offline =
+        absl::StrFormat("%zu guesses from %zu seen key(s): %zu name a key of the victim",
+                        guesses.size(), seen_.size(), hits.size());
+    if (w_.device().caps().transport == transport::TransportKind::kSoft) {
+      // Soft's keys come from a keyed PRF under a per-process secret: none
+      // follows from others (cm/README.md, "Security model").
+      Report(hits.empty(), "(b) offline", offline);
+    } else {
+      // A verbs key is the window's index (the device's choice, near the
+      // others) and one random byte per bind: among 256 guesses per index
+      // one is right. The window's binding to its QP is what refuses them
+      // (each hit is tried on the wire below).
+      Report(true, "(b) offline (verbs: 8 random bits per key)", offline);
+    }
+    // Each hit on the wire first (bounded), then guesses at the victim's
+    // region (READ and WRITE) where it has a token and its first grant
+    // (WRITE).
+    for (size_t i = 0; i < hits.size() && i < 8; ++i) {
+      const auto& [g, aim] = hits[i];
+      const bool region = leak_.token && aim.rkey == leak_.token->rkey;
+      const std::string attack = absl::StrFormat(
+          "(b) WRITE at the victim's %s with a guessed key that is its key, 0x%x (%s)",
+          region ? "region" : "landing grant", g.key, g.how);
+      CO_RETURN_IF_ERROR(co_await FreshMustFail(true, aim, attack));
+    }
     std::vector<std::pair<bool, RemoteRegion>> aims;
     if (leak_.token) {
       aims.push_back({false, *leak_.token});
@@ -368,6 +411,9 @@ class Attacker {
     ++attacks_;
     absl::Status s =
         co_await client->connection().Write(std::span<const std::byte>(junk), aim);
+    // Placed, not refused later (iWARP: the peer's check comes after the
+    // completion): the connection still carries a call.
+    if (s.ok()) s = (co_await Ping(*client)).status();
     Report(s.ok(), attack + " (no windows: completes, as documented)", s.ToString());
     (void)co_await client->Close();
     co_return absl::OkStatus();
@@ -378,6 +424,7 @@ class Attacker {
   std::mt19937_64 rng_;
   Leak leak_;
   bool windows_ = false;
+  bool iwarp_ = false;  // a WRITE's completion precedes the peer's check
   std::optional<RemoteRegion> own_;
   std::vector<uint32_t> seen_;
   int attacks_ = 0, connections_ = 0, refused_ = 0, skipped_ = 0, wrong_ = 0;

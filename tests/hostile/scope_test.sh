@@ -126,7 +126,7 @@ ended=$(sed -E 's/.*connections ended: //' <<<"$line" | tr ',' '\n' |
   grep -v "closed by the peer" | awk '{n += $1} END {print n + 0}')
 ((ended >= refused)) ||
   fail "the server counted $ended connection(s) ended by an error, $refused attacks were refused"
-logged=$(grep -c "W: conn [0-9]* ([a-z]* <- .* closed: " "$log")
+logged=$(grep -c "W: conn [0-9]* ([a-z0-9]* <- .* closed: " "$log")
 ((logged >= refused)) || fail "the server logged $logged closes, $refused attacks were refused"
 echo "  server: $ended connection(s) ended by an error, $logged close(s) logged, for $refused refused attack(s)"
 grep -q "exposed to\|Expose refused" "$log" || fail "no exposure in the server's log"
