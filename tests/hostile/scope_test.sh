@@ -11,7 +11,10 @@
 #   - the server stays up, and counted and logged the attacker's closes,
 #   - the victim's bytes and connection are intact after all attacks (it
 #     reads and writes its region, lands large requests in its grants),
-#   - the server's check of every region it made reports 0 changed bytes.
+#   - the server's check of every region it made reports 0 changed bytes,
+#   - and, on the host, that the test can fail: against a server that hands
+#     out PD-wide keys (--expose_scope=pd) the attacker reads the victim's
+#     region with its token and exits 1.
 # On the host: the soft provider on loopback. In the VM (tests/vm,
 # COVERBS_PROVIDER=verbs): rxe, whose windows scope keys like soft's, or
 # siw, which has none: there Expose refuses (FailedPrecondition naming the
@@ -144,4 +147,35 @@ wait "$server"
 rc=$?
 trap - EXIT
 ((rc == 0)) || fail "server exited $rc on SIGTERM"
+
+# The test's own check, on the host: with PD-wide keys (--expose_scope=pd)
+# the victim's token must work from the attacker's connection and the
+# attacker must report it (exit 1), or the refusals above prove nothing
+# (say, if victim and attacker ended up in different PDs).
+if [[ "$provider" == soft && -z "${SCOPE_SERVER_FLAGS:-}" ]]; then
+  log="$tmp/server_pd.log"
+  "$server_bin" --provider=soft --address="$addr" --port=0 \
+    --port_file="$tmp/port_pd" --expose_scope=pd >"$log" 2>&1 &
+  server=$!
+  trap 'kill -9 $server $victim 2>/dev/null; wait $server $victim 2>/dev/null' EXIT
+  for _ in $(seq 200); do [[ -s "$tmp/port_pd" ]] && break; sleep 0.05; done
+  [[ -s "$tmp/port_pd" ]] || fail "the control's server did not start"
+  port=$(cat "$tmp/port_pd")
+  client 60 --mode=victim --victim_file="$tmp/leak_pd" --go_file="$tmp/go_pd" \
+    >"$tmp/victim_pd.out" 2>&1 &
+  victim=$!
+  for _ in $(seq 600); do [[ -s "$tmp/leak_pd" ]] && break; sleep 0.05; done
+  client 60 --mode=attacker --victim_file="$tmp/leak_pd" --wire_guesses=0 \
+    >"$tmp/attacker_pd.out" 2>&1
+  rc=$?
+  touch "$tmp/go_pd"
+  wait "$victim"  # its bytes changed: it fails, as it must here
+  victim=""
+  kill -TERM "$server"
+  wait "$server"
+  trap - EXIT
+  grep -q "FAIL (a) READ with the victim's token: OK" "$tmp/attacker_pd.out" && ((rc == 1)) ||
+    { cat "$tmp/attacker_pd.out"; fail "control: with PD-wide keys the attacker did not reach the victim's region"; }
+  echo "  control: with --expose_scope=pd the attacker reads the victim's region, and says so"
+fi
 echo "PASS"
