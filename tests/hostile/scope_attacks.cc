@@ -22,6 +22,7 @@
 // landing grant is a per-message registration valid from every QP of the
 // PD (cm/README.md, "Security model"): (d) is asserted to complete there,
 // the documented limit, and the victim then checks its messages.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <optional>

@@ -14,11 +14,13 @@
 //     wrong error comes back (tests/hostile/scope_attacks.cc).
 //   --mode=check: the server's count of changed bytes over every region;
 //     exits 1 unless 0.
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 #include "absl/flags/flag.h"
