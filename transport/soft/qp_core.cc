@@ -140,15 +140,35 @@ void QpCore::Destroy() {
   std::lock_guard<std::mutex> lock(progress_mu_);
   removed_ = true;
   if (fd_ >= 0) {
-    // Best effort: tell the peer this was deliberate (when the stream is at a
-    // frame boundary) so it does not report a fault.
-    if (!err_ && hello_sent_ && seg_idx_ == nsegs_) {
-      char buf[wire::kHeaderSize];
+    // Best effort, when the stream is at a frame boundary: tell the peer
+    // this was deliberate so it does not report a fault; or, destroyed in
+    // error, send the NAK still owed for the peer's bad request -- the
+    // owner often destroys the QP as soon as it sees the flush, before the
+    // progress thread sent it, and the peer then saw the link end
+    // ("peer gone") instead of its remote access error.
+    if (hello_sent_ && seg_idx_ == nsegs_) {
       wire::Header h;
-      h.opcode = wire::kDisconnect;
-      wire::Encode(h, buf);
-      ssize_t n = send(fd_, buf, sizeof(buf), MSG_DONTWAIT | MSG_NOSIGNAL);
-      (void)n;
+      bool send_one = false;
+      if (!err_) {
+        h.opcode = wire::kDisconnect;
+        send_one = true;
+      } else {
+        for (size_t i = 0; i < ctrl_.size(); ++i) {
+          const Ctrl& c = ctrl_[i];
+          if (c.op != wire::kNak) continue;
+          h.opcode = wire::kNak;
+          h.seq = c.seq;
+          h.syndrome = c.syndrome;
+          send_one = true;
+          break;
+        }
+      }
+      if (send_one) {
+        char buf[wire::kHeaderSize];
+        wire::Encode(h, buf);
+        ssize_t n = send(fd_, buf, sizeof(buf), MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)n;
+      }
     }
     if (reactor_rx_) LeaveReactorRx(/*watch=*/false);
     engine_->Unwatch(this);

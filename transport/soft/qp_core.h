@@ -40,6 +40,7 @@ class Ring {
   size_t size() const { return head_ - tail_; }
   T& front() { return buf_[tail_ & (buf_.size() - 1)]; }
   T& back() { return buf_[(head_ - 1) & (buf_.size() - 1)]; }
+  T& operator[](size_t i) { return buf_[(tail_ + i) & (buf_.size() - 1)]; }
   void push_back(T v) {
     if (head_ - tail_ == buf_.size()) Grow();
     buf_[head_++ & (buf_.size() - 1)] = std::move(v);
