@@ -30,6 +30,8 @@
 #                   tcp_echo connection threads)
 #   PROVIDER [auto] coverbs provider (auto = soft on a host without RDMA)
 #   CORO_RPC_ECHO   a coro_rpc_echo binary built before (skips the compile)
+#   BASE_BIN_DIR    a directory with another build's echo_server and
+#                   echo_client, measured as "base" beside coverbs
 #   TCP_ECHO        a tcp_echo binary built before (skips its build)
 #   NO_CORO_RPC [0] 1: coverbs and tcp only, as the argument `-`
 #   PIN []          pin both processes of every implementation with taskset:
@@ -60,6 +62,11 @@ else
   usage
 fi
 if [ "$no_coro" = 1 ]; then impls=(coverbs tcp); else impls=(coverbs coro_rpc tcp); fi
+# BASE_BIN_DIR: another coverbs build (echo_server, echo_client) run as a
+# fourth implementation, "base", so that a change is measured against its
+# parent in the same window.
+base_bins="${BASE_BIN_DIR:-}"
+[ -n "$base_bins" ] && impls=(coverbs base "${impls[@]:1}")
 read -r -a sizes <<<"${SIZES:-64 4096 8160 8192 65536 1048576}"
 read -r -a calls <<<"${CALLS:-20000 20000 20000 20000 5000 500}"
 reps="${REPS:-3}"
@@ -153,14 +160,16 @@ free_port() {
 run_pair() {
   local impl=$1 size=$2 n=$3 port rate
   rm -f "$work/port" "$work/srv.cpu" "$work/cli.cpu"
-  if [ "$impl" = coverbs ]; then
-    python3 "$work/cpu_of.py" "$work/srv.cpu" "${srv_pin[@]}" "$bins/echo_server" --address=127.0.0.1 --port=0 \
+  if [ "$impl" = coverbs ] || [ "$impl" = base ]; then
+    local b="$bins"
+    [ "$impl" = base ] && b="$base_bins"
+    python3 "$work/cpu_of.py" "$work/srv.cpu" "${srv_pin[@]}" "$b/echo_server" --address=127.0.0.1 --port=0 \
       --port_file="$work/port" --threads="$threads" --provider="$provider" \
       >"$work/srv.out" 2>&1 &
     spid=$!
     for _ in $(seq 1 300); do [ -s "$work/port" ] && break; sleep 0.05; done
     port=$(cat "$work/port")
-    cpu_of "$work/cli.cpu" "${cli_pin[@]}" "$bins/echo_client" --server=127.0.0.1 --port="$port" \
+    cpu_of "$work/cli.cpu" "${cli_pin[@]}" "$b/echo_client" --server=127.0.0.1 --port="$port" \
       --sizes="$size" --calls="$n" --concurrency="$depth" --connections=1 \
       --provider="$provider" >"$work/cli.out" 2>&1 || { cat "$work/cli.out" >&2; return 1; }
     # The table row: size calls errors elapsed calls/s ...
