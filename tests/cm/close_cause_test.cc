@@ -105,7 +105,10 @@ TEST_P(CloseCauseTest, PeerTearingDownOnOurGoodbyeIsStillALocalClose) {
 }
 
 // A READ naming a key the peer never gave: the requester's connection ends
-// with a protection error, the verbs status in the detail.
+// with a protection error, the verbs status in the detail. Not on iWARP:
+// siw (Linux 6.1) answers with a TERMINATE and flushes the READ rather
+// than completing it with IBV_WC_REM_ACCESS_ERR, so the requester sees its
+// link end; that is asserted there (cm/README.md, "Why a connection ended").
 TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
   Run([](CloseCauseTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
@@ -118,6 +121,12 @@ TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
     absl::Status r = co_await p->client->Read(
         std::span<std::byte>(local.data(), local.size()), bogus);
     EXPECT_FALSE(r.ok());
+    if (t->iwarp()) {
+      EXPECT_EQ(p->client->close_cause(), CloseCause::kPeerGone)
+          << p->client->status();
+      co_await Close(*p);
+      co_return;
+    }
     EXPECT_TRUE(
         StartsWith(p->client->status(), "protection error on this connection"))
         << p->client->status();
