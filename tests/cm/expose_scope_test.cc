@@ -16,6 +16,7 @@
 #include "cm/connection_test_peer.h"
 #include "gtest/gtest.h"
 #include "tests/cm/cm_fixture.h"
+#include "tests/cm/key_attacks.h"
 #include "tests/cm/test_util.h"
 
 namespace coverbs::cm {
@@ -23,41 +24,9 @@ namespace {
 
 using internal::ConnectionTestPeer;
 
-// The attack's own failure: the operation's remote access error
-// (PERMISSION_DENIED), or the loss of the attacker's connection
-// (UNAVAILABLE), which cm reports instead once it has seen the receives
-// that the failed QP flushed.
-bool Refused(const absl::Status& s, const char* op) {
-  // The message names the cause first ("protection error on this
-  // connection: ..."), then the operation.
-  return !s.ok() && s.message().find(op) != absl::string_view::npos &&
-         (s.code() == absl::StatusCode::kPermissionDenied ||
-          s.code() == absl::StatusCode::kUnavailable);
-}
-
-// The soft provider's former key schedule (lowbias32 of a counter) and its
-// inverse: from one key a peer computed the counter, hence every other key.
-uint32_t Mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-uint32_t InverseOdd(uint32_t a) {
-  uint32_t x = a;  // Newton: each step doubles the correct low bits
-  for (int i = 0; i < 5; ++i) x *= 2 - a * x;
-  return x;
-}
-uint32_t Unmix(uint32_t x) {
-  x ^= x >> 16;
-  x *= InverseOdd(0x846ca68bU);
-  x ^= (x >> 15) ^ (x >> 30);
-  x *= InverseOdd(0x7feb352dU);
-  x ^= x >> 16;
-  return x;
-}
+using ::coverbs::testing::Mix;
+using ::coverbs::testing::Refused;
+using ::coverbs::testing::Unmix;
 
 // What a peer would try next from the keys it has seen: neighbours, and
 // the keys the former schedule would have handed out around each.

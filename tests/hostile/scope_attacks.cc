@@ -4,7 +4,8 @@
 // RDMA operation ends its connection) and must fail there, with the
 // operation's remote access error (PERMISSION_DENIED) or the loss of that
 // connection (UNAVAILABLE), the message naming the operation: the rule of
-// tests/cm/expose_scope_test.cc, here across processes.
+// tests/cm/key_attacks.h (expose_scope_test in process), here across
+// processes.
 //   (a) the victim's token (leaked through --victim_file) used from the
 //       attacker's connection: READ and WRITE; Revoke of it: NOT_FOUND;
 //   (b) keys guessed from the ones the attacker sees (its own exposures
@@ -35,6 +36,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tests/cm/key_attacks.h"
 #include "tests/hostile/scope_client.h"
 
 namespace coverbs::scope_test {
@@ -74,36 +76,9 @@ absl::StatusOr<Leak> ReadLeak(const std::string& path) {
   return leak;
 }
 
-bool Refused(const absl::Status& s, const char* op) {
-  return !s.ok() && s.message().find(op) != absl::string_view::npos &&
-         (s.code() == absl::StatusCode::kPermissionDenied ||
-          s.code() == absl::StatusCode::kUnavailable);
-}
-
-// The soft provider's former key schedule (lowbias32 of a counter) and its
-// inverse: from one key a peer computed the counter, hence every other key
-// (tests/cm/expose_scope_test.cc).
-uint32_t Mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-uint32_t InverseOdd(uint32_t a) {
-  uint32_t x = a;  // Newton: each step doubles the correct low bits
-  for (int i = 0; i < 5; ++i) x *= 2 - a * x;
-  return x;
-}
-uint32_t Unmix(uint32_t x) {
-  x ^= x >> 16;
-  x *= InverseOdd(0x846ca68bU);
-  x ^= (x >> 15) ^ (x >> 30);
-  x *= InverseOdd(0x7feb352dU);
-  x ^= x >> 16;
-  return x;
-}
+using ::coverbs::testing::Mix;
+using ::coverbs::testing::Refused;
+using ::coverbs::testing::Unmix;
 
 struct Guess {
   uint32_t key;
