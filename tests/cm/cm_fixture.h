@@ -17,8 +17,8 @@
 #include "absl/time/time.h"
 #include "cm/connect.h"
 #include "cm/connection.h"
-#include "cm/worker.h"
 #include "cm/listener.h"
+#include "cm/worker.h"
 #include "core/reactor.h"
 #include "core/sync.h"
 #include "core/timeout.h"
@@ -112,8 +112,15 @@ class CmTest : public ::testing::TestWithParam<std::string> {
     return MakePair(std::move(co), std::move(lo));
   }
   Task<absl::StatusOr<Pair>> MakePair(ConnectOptions co, ListenerOptions lo) {
+    return MakePairAt(addr_, addr_, std::move(co), std::move(lo));
+  }
+  // The listener on `listen_at`, the client connecting to `connect_to`
+  // (host names, IPv6 literals, a wildcard listener).
+  Task<absl::StatusOr<Pair>> MakePairAt(std::string listen_at,
+                                        std::string connect_to,
+                                        ConnectOptions co, ListenerOptions lo) {
     Pair p;
-    auto ln = Listener::Create(*server_ctx_, addr_, 0, lo);
+    auto ln = Listener::Create(*server_ctx_, listen_at, 0, lo);
     if (!ln.ok()) co_return ln.status();
     p.listener = *std::move(ln);
     absl::StatusOr<std::unique_ptr<Connection>> accepted =
@@ -126,7 +133,7 @@ class CmTest : public ::testing::TestWithParam<std::string> {
       wg->Done();
     };
     reactor_->Spawn(acc(p.listener.get(), &accepted, &wg));
-    auto c = co_await Connect(*client_ctx_, addr_, p.listener->port(), co);
+    auto c = co_await Connect(*client_ctx_, connect_to, p.listener->port(), co);
     if (!c.ok()) {
       p.listener->Close();
       co_await wg.Wait();
@@ -141,8 +148,7 @@ class CmTest : public ::testing::TestWithParam<std::string> {
 
   // Posts `bytes` as one SEND straight on `c`'s QP, bypassing the cm
   // framing (a peer that breaks the protocol).
-  static Task<absl::Status> SendRaw(Connection& c,
-                                    std::span<std::byte> bytes) {
+  static Task<absl::Status> SendRaw(Connection& c, std::span<std::byte> bytes) {
     auto mr = c.worker().pd().Register(bytes, IBV_ACCESS_LOCAL_WRITE);
     if (!mr.ok()) co_return mr.status();
     auto wc = co_await c.qp().Send(mr->Local());

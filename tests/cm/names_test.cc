@@ -32,39 +32,25 @@ class NamesTest : public CmTest {
   // each way; yields the server side's view of the peer's address.
   Task<absl::StatusOr<std::string>> RoundTrip(std::string listen_at,
                                               std::string connect_to) {
-    auto ln = Listener::Create(*server_ctx_, listen_at, 0);
-    if (!ln.ok()) co_return ln.status();
-    absl::StatusOr<std::unique_ptr<Connection>> accepted =
-        absl::UnknownError("not run");
-    WaitGroup wg;
-    wg.Add();
-    auto acc = [](Listener* l, absl::StatusOr<std::unique_ptr<Connection>>* out,
-                  WaitGroup* wg) -> Task<void> {
-      *out = co_await l->Accept();
-      wg->Done();
-    };
-    reactor_->Spawn(acc(ln->get(), &accepted, &wg));
-    auto c = co_await Connect(*client_ctx_, connect_to, (*ln)->port());
-    if (!c.ok()) {
-      (*ln)->Close();
-      co_await wg.Wait();
-      co_return c.status();
-    }
-    co_await wg.Wait();
-    if (!accepted.ok()) co_return accepted.status();
+    ConnectOptions co;  // named: gcc 12 and braced temporaries in co_await
+    ListenerOptions lo;
+    auto p = co_await MakePairAt(std::move(listen_at), std::move(connect_to),
+                                 std::move(co), std::move(lo));
+    if (!p.ok()) co_return p.status();
+    Connection* c = p->client.get();
+    Connection* accepted = p->server.get();
     auto ping = Pattern(64, 3);
-    absl::Status s = co_await (*c)->Send(ping);
+    absl::Status s = co_await c->Send(ping);
     if (!s.ok()) co_return s;
-    auto m = co_await (*accepted)->Recv();
+    auto m = co_await accepted->Recv();
     if (!m.ok()) co_return m.status();
     if (!Same(m->data(), ping)) co_return absl::DataLossError("ping differs");
-    s = co_await (*accepted)->Send(ping);
+    s = co_await accepted->Send(ping);
     if (!s.ok()) co_return s;
-    auto r = co_await (*c)->Recv();
+    auto r = co_await c->Recv();
     if (!r.ok()) co_return r.status();
-    std::string peer = (*accepted)->peer().address;
-    (void)co_await (*c)->Close();
-    (void)co_await (*accepted)->Close();
+    std::string peer = accepted->peer().address;
+    co_await Close(*p);
     co_return peer;
   }
 };
