@@ -148,12 +148,16 @@ std::shared_ptr<MrEntry> MrTable::ReserveWindow(uint64_t pd_id) {
 }
 
 void MrTable::DropWindow(const std::shared_ptr<MrEntry>& w) {
+  // The usual end of a landing grant's bind: the peer's SEND_WITH_INV
+  // already removed its rkey, and there is nothing left to wait for. No
+  // exclusive lock (it stalls the progress thread's lookups) for that.
+  if (w->ended_by_peer.load()) return;
   bool ended_by_peer;
   {
     std::unique_lock<std::shared_mutex> lock(mu_);
     const std::shared_ptr<MrEntry>* cur = rkeys_.Find(w->rkey);
     if (cur != nullptr && cur->get() == w.get()) rkeys_.Erase(w->rkey);
-    ended_by_peer = w->ended_by_peer;
+    ended_by_peer = w->ended_by_peer.load();
   }
   if (ended_by_peer || !w->valid.load()) return;
   w->valid.store(false);
@@ -168,7 +172,7 @@ bool MrTable::InvalidateByPeer(uint32_t rkey, uint64_t pd_id, uint64_t qp_uid) {
     return false;
   }
   // Stays valid: a READ response it admitted earlier may still be queued.
-  (*w)->ended_by_peer = true;
+  (*w)->ended_by_peer.store(true);
   rkeys_.Erase(rkey);
   return true;
 }

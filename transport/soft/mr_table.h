@@ -37,7 +37,9 @@ struct MrEntry {
   bool is_window = false;
   // The peer ended the bind (SEND_WITH_INV) after its last access through
   // it, in the order of that QP's stream: nothing is left to wait for.
-  bool ended_by_peer = false;
+  // Set under the table's exclusive lock together with the rkey's removal,
+  // so a reader that sees it set needs no lock to know the window is gone.
+  std::atomic<bool> ended_by_peer{false};
   // Cleared by deregistration; the progress thread checks it inside its
   // access window before each use of the memory (Usable()).
   std::atomic<bool> valid{true};
