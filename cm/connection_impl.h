@@ -182,8 +182,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
  private:
   friend class ConnectionTestPeer;
-  friend class cm::Connection::SendAwaiter;   // SendSmall's path, frameless
-  friend class cm::Connection::RecvAwaiter;   // Recv, frameless
+  friend class cm::Connection::SendAwaiter;  // SendSmall's path, frameless
+  friend class cm::Connection::RecvAwaiter;  // Recv, frameless
   // Why a Recv that finds no message ends: down, closing, not started, or
   // closed by the peer with nothing left to deliver.
   absl::Status RecvError() const;
@@ -434,6 +434,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint32_t credit_msgs_sent_ = 0;
   uint32_t credit_msgs_acked_ = 0;
   bool credit_msg_running_ = false;
+  // SendCreditFrame's binds (landing grants by window), reused while free.
+  transport::SendBatch credit_batch_;
+  bool credit_batch_busy_ = false;
   Event may_send_{false};  // iWARP passive side: set once the peer spoke
   // Set by the first message from the peer (or by a failure): the passive
   // side's accept waits for it (WaitPeerSpoke).
@@ -479,7 +482,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool goodbye_sent_ = false;  // Close posted ours: a later flush is ours
   bool close_started_ = false;
   Event close_done_{false};  // the first Close() ended
-  WaitGroup tasks_;  // internal control sends in flight
+  WaitGroup tasks_;          // internal control sends in flight
 
   // 8-byte result buffers for atomics.
   std::unique_ptr<uint64_t[]> atomic_mem_;

@@ -6,6 +6,7 @@
 #include <array>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cm/connection_impl.h"
@@ -42,8 +43,19 @@ Task<absl::Status> ConnectionImpl::SendCreditFrame(
   // Landing grants not yet announced ride along.
   std::array<std::byte, kMaxGrantsPerMessage * kGrantSize> grants;
   size_t room = std::min(grants.size(), buf.size() - kHeaderSize);
-  // Grants by memory window: their binds go first, in the same post.
-  transport::SendBatch binds;
+  // Grants by memory window: their binds go first, in the same post. Up
+  // to kMaxBindsPerMessage binds outgrow a batch's inline room; the
+  // connection's own batch keeps its storage, so a credit message does
+  // not allocate (a keepalive's, sent meanwhile, uses one of its own).
+  transport::SendBatch spare;
+  const bool own = !credit_batch_busy_;
+  transport::SendBatch& binds = own ? credit_batch_ : spare;
+  credit_batch_busy_ = true;
+  absl::Cleanup release = [this, own] {
+    if (!own) return;
+    credit_batch_.Clear();
+    credit_batch_busy_ = false;
+  };
   size_t n = WriteGrants(std::span<std::byte>(grants.data(), room), binds);
   size_t len = WriteFrame(buf.data(), kCredit, 0, flags,
                           std::span<const std::byte>(grants.data(), n));

@@ -37,8 +37,8 @@
 
 #include <atomic>
 #include <coroutine>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -82,7 +82,7 @@ struct QpOptions {
   // a 64 B message with the messaging layer's 16 B header and an rpc
   // call's 32 B more go inline (perftest's latency tests inline 236 B).
   uint32_t max_inline_data = 128;
-  uint8_t rnr_retry = 7;          // 7 = retry forever
+  uint8_t rnr_retry = 7;  // 7 = retry forever
   uint8_t min_rnr_timer = 12;
   uint8_t retry_cnt = 7;
   uint8_t timeout = 14;
@@ -127,13 +127,12 @@ struct OpSpec {
   unsigned send_flags = 0;
   SendBatch* batch = nullptr;
   bool cancellable = true;  // SendOptions::ignore_stop
-  absl::Status error;  // set when the request is invalid: fails unposted
+  absl::Status error;       // set when the request is invalid: fails unposted
 };
 
 // State of one posted operation; lives in the awaiting coroutine's frame.
 // Neither copied nor moved: QueuePair methods return it as a prvalue.
-class OpBase : public WorkRequest,
-               public coverbs::internal::ListNode<OpBase> {
+class OpBase : public WorkRequest, public coverbs::internal::ListNode<OpBase> {
  public:
   OpBase(QueuePair* qp, const OpSpec& spec);
   // A SEND of 1..kInlineSges buffers without immediate data, within the
@@ -193,7 +192,7 @@ class OpBase : public WorkRequest,
   ibv_sge sge_inline_[kInlineSges];
   std::unique_ptr<ibv_sge[]> sge_heap_;  // more than kInlineSges
   const char* name_ = "WR";
-  uint32_t slots_ = 1;      // SQ/RQ slots this op holds (batches: >1)
+  uint32_t slots_ = 1;  // SQ/RQ slots this op holds (batches: >1)
   uint32_t qp_num_ = 0;
   // Outcome. wc_ is set by OnCompletion before anything reads it.
   ibv_wc wc_;
@@ -287,9 +286,11 @@ class SendBatch {
   // this transfer). Needs DeviceCaps::send_with_invalidate.
   void AddSendWithInvalidate(LocalBuffer buf, uint32_t rkey);
   size_t size() const { return wrs_.size(); }
+  // Empties the batch for reuse; storage grown past the inline room is
+  // kept, so a batch reused for the same kind of post allocates once.
   void Clear() {
-    wrs_.clear();
-    sges_.clear();
+    wrs_.resize(0);
+    sges_.resize(0);
   }
 
  private:
@@ -336,7 +337,9 @@ class QueuePair final : private WrOwner {
     return Send(std::span<const LocalBuffer>(&buf, 1), o);
   }
   Op Recv(std::span<const LocalBuffer> bufs);
-  Op Recv(LocalBuffer buf) { return Recv(std::span<const LocalBuffer>(&buf, 1)); }
+  Op Recv(LocalBuffer buf) {
+    return Recv(std::span<const LocalBuffer>(&buf, 1));
+  }
   // A SEND of 1..4 buffers whose bytes (at most max_inline_data() in all)
   // the provider copies into the work request at post time, and that
   // nobody awaits: the buffers may be reused once this returns, and the QP
