@@ -174,7 +174,7 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   struct Dest {
     char* p;
     size_t len;
-    const MrEntry* mr;  // checked before each use; null for internal buffers
+    const MrEntry* mr;    // checked before each use; null for internal buffers
     bool pinned = false;  // mr is held by an MrPin
 
     bool Usable() const {
@@ -192,8 +192,11 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   absl::Status CheckSendWr(const ibv_send_wr& wr) const;
   // Window binds and local invalidations take effect here, at post (the
   // table is then locked exclusively); LOCAL_INV's windows are appended to
-  // `unmapped`, for the caller to end once the table is unlocked.
-  void FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
+  // `unmapped`, for the caller to end once the table is unlocked. Returns
+  // false when the WR is over at post: an unsignaled bind or invalidation
+  // that succeeded on a QP in RTS has no completion to report and nothing
+  // to send, so it takes no slot (and no sequence number) in the queue.
+  bool FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
                    uint64_t index,
                    std::vector<std::shared_ptr<MrEntry>>* unmapped);
   void Kick();

@@ -78,8 +78,7 @@ absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
         "soft: post send on qp %u: message of %u bytes exceeds 2 GiB (EINVAL)",
         qp_num(), total));
   }
-  if (IsAtomic(wr.opcode) &&
-      (wr.num_sge != 1 || wr.sg_list[0].length != 8)) {
+  if (IsAtomic(wr.opcode) && (wr.num_sge != 1 || wr.sg_list[0].length != 8)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "soft: post send on qp %u: an atomic needs one 8-byte SGE (EINVAL)",
         qp_num()));
@@ -101,7 +100,7 @@ absl::Status QpCore::CheckSendWr(const ibv_send_wr& wr) const {
   return absl::OkStatus();
 }
 
-void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
+bool QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
                          uint64_t index,
                          std::vector<std::shared_ptr<MrEntry>>* unmapped) {
   size_t i = index % sq_cap_;
@@ -131,12 +130,15 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
     w.rkey = wr.invalidate_rkey;
   } else if (wr.opcode == IBV_WR_BIND_MW || wr.opcode == IBV_WR_LOCAL_INV) {
     // Done now, in posting order with the other binds and invalidations of
-    // the QP (a QP in error flushes the WR instead). The WR still goes
-    // down the send queue, as an empty WRITE that only takes the next
-    // sequence number, and completes in order like any other.
+    // the QP (a QP in error flushes the WR instead). A WR that reports
+    // something -- an error, or a signaled success -- still goes down the
+    // send queue, as an empty WRITE that only takes the next sequence
+    // number, and completes in order like any other. The usual one (an
+    // unsignaled bind of a landing grant) ends here: its frame and the
+    // peer's parsing of it were most of a grant's cost on soft.
     w.num_sge = 0;
     w.total = 0;
-    if (state_.load(std::memory_order_acquire) != IBV_QPS_RTS) return;
+    if (state_.load(std::memory_order_acquire) != IBV_QPS_RTS) return true;
     if (wr.opcode == IBV_WR_BIND_MW) {
       const ibv_mw_bind_info& b = wr.bind_mw.bind_info;
       w.status = table.BindWindow(
@@ -147,7 +149,7 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
     } else {
       w.status = IBV_WC_LOC_PROT_ERR;
     }
-    return;
+    return w.status != IBV_WC_SUCCESS || w.signaled;
   } else if (wr.opcode != IBV_WR_SEND && wr.opcode != IBV_WR_SEND_WITH_IMM) {
     w.remote_addr = wr.wr.rdma.remote_addr;
     w.rkey = wr.wr.rdma.rkey;
@@ -163,7 +165,7 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
                   sge.length);
       w.total += sge.length;
     }
-    return;
+    return true;
   }
   bool nic_writes = wr.opcode == IBV_WR_RDMA_READ || IsAtomic(wr.opcode);
   for (int k = 0; k < wr.num_sge; ++k) {
@@ -184,6 +186,7 @@ void QpCore::FillSendWqe(const MrTable::Reader& table, const ibv_send_wr& wr,
       sq_mr_[j] = *mr;
     }
   }
+  return true;
 }
 
 absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
@@ -206,8 +209,23 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
   {
     MrTable::Reader table(MrTable::Get(), windows);
     std::lock_guard<std::mutex> lock(mu_);
+    // A bind or invalidation may end at post (FillSendWqe) only if the
+    // whole list is then posted: a list posted in part puts the QP in
+    // error, and its caller waits for a flush completion of every WR that
+    // was posted -- which a WR that never entered the queue would not get.
+    bool may_end_at_post = windows;
+    if (windows) {
+      uint32_t n = 0;
+      for (const ibv_send_wr* w = wr; w != nullptr && may_end_at_post;
+           w = w->next) {
+        may_end_at_post = CheckSendWr(*w).ok();
+        ++n;
+      }
+      may_end_at_post = may_end_at_post && sq_head_ - sq_tail_ + n <= sq_cap_;
+    }
     for (; wr != nullptr; wr = wr->next) {
-      status = CheckSendWr(*wr);
+      // (A list that may end binds at post passed every check above.)
+      if (!may_end_at_post) status = CheckSendWr(*wr);
       if (status.ok() && sq_head_ - sq_tail_ >= sq_cap_) {
         status = absl::ResourceExhaustedError(absl::StrFormat(
             "soft: post send on qp %u: send queue full (%u WRs) (ENOMEM)",
@@ -217,9 +235,10 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
         if (bad) *bad = wr;
         break;
       }
-      FillSendWqe(table, *wr, sq_head_, &unmapped);
-      ++sq_head_;
-      posted = true;
+      if (FillSendWqe(table, *wr, sq_head_, &unmapped) || !may_end_at_post) {
+        ++sq_head_;
+        posted = true;
+      }
     }
   }
   // Outside the table lock: ending a window may wait for the progress
