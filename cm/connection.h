@@ -298,7 +298,8 @@ class Connection {
       ExposeScope scope = ExposeScope::kConnection);
   // All of `mr` with the remote access it was registered with
   // (InvalidArgument if it has none), for this connection only.
-  absl::StatusOr<transport::RemoteRegion> Expose(const transport::MemoryRegion& mr);
+  absl::StatusOr<transport::RemoteRegion> Expose(
+      const transport::MemoryRegion& mr);
   // With typed flags (transport::Access::kRemoteRead, ...).
   absl::StatusOr<transport::RemoteRegion> Expose(
       const transport::MemoryRegion& mr, transport::Access access,
@@ -340,7 +341,8 @@ class Connection {
   // completion failed (a remote access error on a WRITE, say) takes the
   // connection down before it returns: the QP is in the error state.
   absl::Status status() const;
-  // Why it went down (kNone while up).
+  // Why it went down (kNone while up). kPeerClosed from the peer's goodbye
+  // on, while the messages it sent before are still being received.
   CloseCause close_cause() const;
   const PeerInfo& peer() const;
   // What this side announced in its handshake (credits, receive buffer
@@ -401,8 +403,8 @@ class Connection::SendAwaiter {
   // completion: one resume instead of two). False: nothing is left to
   // wait for on the wire -- the message went inline and is complete, or it
   // takes the slow path, or failed; co_await returns at once or does it
-  // all, and says which. Once it returned true, co_await this awaiter before it is
-  // destroyed, or its destruction waits for the completion.
+  // all, and says which. Once it returned true, co_await this awaiter before it
+  // is destroyed, or its destruction waits for the completion.
   bool PostNow() {
     step_ = Start(std::coroutine_handle<>());
     return step_ == Step::kPosted;

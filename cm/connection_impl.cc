@@ -135,8 +135,7 @@ absl::Status ConnectionImpl::Init() {
         name_, kMaxGrantsHeld, options_.rendezvous_threshold,
         options_.landing_buffers, options_.landing_buffer_size));
   }
-  landing_windows_ =
-      options_.landing_windows && qp_->caps().memory_windows;
+  landing_windows_ = options_.landing_windows && qp_->caps().memory_windows;
   if (options_.max_message_size == 0 ||
       options_.max_message_size > kMaxWireLength) {
     return absl::InvalidArgumentError(
@@ -310,10 +309,9 @@ absl::Status ConnectionImpl::DownError(const char* op) const {
 absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
   // A flushed operation, or one failed because the QP was already in error,
   // tells nothing new; anything else is this operation's own failure.
-  const bool consequence =
-      absl::StrContains(s.message(), "WR_FLUSH_ERR") ||
-      absl::StrContains(s.message(), "error state") ||
-      absl::StrContains(s.message(), "was destroyed");
+  const bool consequence = absl::StrContains(s.message(), "WR_FLUSH_ERR") ||
+                           absl::StrContains(s.message(), "error state") ||
+                           absl::StrContains(s.message(), "was destroyed");
   if (!consequence && status_.ok() && transport::WcStatusOf(s).has_value()) {
     // The operation's own completion failed (not a registration or a
     // buffer that could not be had): the reliable QP is in the error state
@@ -334,9 +332,9 @@ absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
     }
     // This operation's failure took the connection down: its cause first.
     if (!status_.ok() && transport::WcStatusOf(s).has_value()) {
-      return absl::Status(
-          s.code(), absl::StrCat(CloseCauseName(cause_), ": ", op, " on ",
-                                 name_, ": ", s.message()));
+      return absl::Status(s.code(),
+                          absl::StrCat(CloseCauseName(cause_), ": ", op, " on ",
+                                       name_, ": ", s.message()));
     }
     return absl::Status(s.code(),
                         absl::StrCat(op, " on ", name_, ": ", s.message()));
@@ -367,6 +365,13 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
     // gets to mark itself closing, and its flush is no news.
     cause = CloseCause::kLocalClose;
     why = absl::UnavailableError("closed locally");
+  } else if (peer_closed_ && (cause == CloseCause::kPeerGone ||
+                              cause == CloseCause::kPeerUnreachable ||
+                              cause == CloseCause::kKeepalive ||
+                              cause == CloseCause::kTransportError)) {
+    // The peer said goodbye: losing it afterwards is no news either.
+    cause = CloseCause::kPeerClosed;
+    why = absl::UnavailableError("closed by the peer");
   }
   const char* words = CloseCauseName(cause);
   cause_ = cause;

@@ -54,6 +54,9 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
     case kGoodbye:
       Consume(slot);
       peer_closed_ = true;
+      // Decided now, not when the teardown's flush arrives: a Recv that
+      // reports the close may run first, and must name the same cause.
+      if (cause_ == CloseCause::kNone) cause_ = CloseCause::kPeerClosed;
       Pump();
       break;
     case kRts:
@@ -211,8 +214,9 @@ absl::Status ConnectionImpl::RecvError() const {
     absl::Status s = CheckUp("recv");
     if (!s.ok()) return s;
   }
+  // As DownError words it once the connection is down: the cause first.
   return absl::UnavailableError(
-      absl::StrCat("recv on ", name_, ": closed by the peer"));
+      absl::StrCat("closed by the peer (recv on ", name_, ")"));
 }
 
 }  // namespace coverbs::cm::internal
