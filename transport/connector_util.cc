@@ -29,6 +29,20 @@ std::string SocketAddress::Numeric() const {
   return buf;
 }
 
+bool SocketAddress::IsLoopback() const {
+  if (family() == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&storage);
+    return (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (family() == AF_INET6) {
+    const in6_addr& a =
+        reinterpret_cast<const sockaddr_in6*>(&storage)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&a) ||
+           (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+  }
+  return false;
+}
+
 absl::StatusOr<SocketAddress> ParseNumeric(const std::string& address,
                                            uint16_t port) {
   std::string a = address.empty() ? "0.0.0.0" : address;

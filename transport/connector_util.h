@@ -32,6 +32,8 @@ struct SocketAddress {
   int family() const { return storage.ss_family; }
   // The numeric address, without the port ("10.0.0.1", "::1").
   std::string Numeric() const;
+  // 127.0.0.0/8, ::1 or ::ffff:127.0.0.0/104.
+  bool IsLoopback() const;
 };
 
 // A numeric IPv4 or IPv6 address ("::1", also in brackets "[::1]"), "" =

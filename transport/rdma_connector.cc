@@ -246,20 +246,33 @@ Task<absl::StatusOr<std::shared_ptr<CmId>>> ResolvedId(
   id->set_destroy_in_background(true);
   int ms = std::max(static_cast<int>(absl::ToInt64Milliseconds(timeout)), 1);
   SocketAddress dst = sa;
+  // rdma_cm has no loopback device: on Linux 6.1 siw fails the address
+  // resolution (EINVAL), rxe the route's (ENODEV). Say why.
+  const char* hint =
+      sa.IsLoopback()
+          ? " (a loopback address: rdma_cm reaches only addresses on an RDMA "
+            "device's netdev)"
+          : "";
   if (rdma_resolve_addr(id->id(), nullptr, dst.get(), ms) != 0) {
-    co_return absl::UnavailableError(
-        absl::StrCat(where, ": address resolution failed: ", strerror(errno)));
+    co_return absl::UnavailableError(absl::StrCat(
+        where, ": address resolution failed: ", strerror(errno), hint));
   }
   auto ev = co_await Expect(*id, RDMA_CM_EVENT_ADDR_RESOLVED, timeout, where,
                             "address resolution");
-  if (!ev.ok()) co_return ev.status();
+  if (!ev.ok()) {
+    co_return absl::Status(ev.status().code(),
+                           absl::StrCat(ev.status().message(), hint));
+  }
   if (rdma_resolve_route(id->id(), ms) != 0) {
-    co_return absl::UnavailableError(
-        absl::StrCat(where, ": route resolution failed: ", strerror(errno)));
+    co_return absl::UnavailableError(absl::StrCat(
+        where, ": route resolution failed: ", strerror(errno), hint));
   }
   ev = co_await Expect(*id, RDMA_CM_EVENT_ROUTE_RESOLVED, timeout, where,
                        "route resolution");
-  if (!ev.ok()) co_return ev.status();
+  if (!ev.ok()) {
+    co_return absl::Status(ev.status().code(),
+                           absl::StrCat(ev.status().message(), hint));
+  }
   id->set_destroy_in_background(false);
   co_return id;
 }

@@ -2,18 +2,25 @@
 # tests/vm/vm-rdma-setup.sh <rxe|siw> <dummy|veth|lo> [ENVFILE]  -- runs INSIDE the guest
 #
 # Loads the kernel RDMA core and one software provider, gives it a netdev with
-# an IPv4 address and writes `export COVERBS_VM_*=...` lines to ENVFILE (stdout
+# an IPv4 and an IPv6 address, names them in the guest's /etc/hosts, and writes `export COVERBS_VM_*=...` lines to ENVFILE (stdout
 # if none) describing the result. guest-stage2.sh runs it when VM_RDMA is set.
 #
 # Netdev choices and why:
-#   dummy  dummy0 with 10.11.0.1 and 10.11.0.2, one RDMA device. Server and
-#          client share the device; traffic is loopback inside the provider.
-#   veth   veth0=10.12.0.1 <-> veth1=10.12.0.2 in ONE namespace, one RDMA device
-#          on each end, policy routing so packets really cross the pair.
+#   dummy  dummy0 with 10.11.0.1 and 10.11.0.2 (fd00:11::1, fd00:11::2), one
+#          RDMA device. Server and client share the device; traffic is
+#          loopback inside the provider.
+#   veth   veth0=10.12.0.1 <-> veth1=10.12.0.2 (fd00:12::1, fd00:12::2) in ONE
+#          namespace, one RDMA device on each end, policy routing so packets
+#          really cross the pair.
 #          Separate namespaces do not work on 6.1: rxe is not netns-aware
 #          (connections time out) and siw's listen fails with EADDRINUSE.
-#   lo     127.0.0.1 only. rdma_cm does not work there (siw: zero GID; rxe:
+#   lo     127.0.0.1 and ::1 only. rdma_cm does not work there (siw: zero GID; rxe:
 #          rdma_resolve_route ENODEV); only non-CM verbs on rxe. Kept for probing.
+#
+# The IPv6 addresses are ULAs added with `nodad` (usable at once, no 1 s of
+# duplicate address detection). The name coverbs-vm-a resolves to both of
+# side A's addresses (IPv4 first, then IPv6): /etc/hosts is the host's,
+# read-only, so a copy with those lines is bind-mounted over it.
 #
 # Every process costs 60-100 ms under TCG, so this script batches (modprobe -a,
 # ip -batch) and polls sysfs with shell builtins.
@@ -27,9 +34,12 @@ ulimit -l unlimited
 sysctl_w() { echo "$2" > "/proc/sys/${1//.//}"; }     # no procps dependency
 
 case $ND in
-    dummy) NETIF_A=dummy0 NETIF_B=dummy0 ADDR_A=10.11.0.1 ADDR_B=10.11.0.2 ;;
-    veth)  NETIF_A=veth0 NETIF_B=veth1 ADDR_A=10.12.0.1 ADDR_B=10.12.0.2 ;;
-    lo)    NETIF_A=lo NETIF_B=lo ADDR_A=127.0.0.1 ADDR_B=127.0.0.1 ;;
+    dummy) NETIF_A=dummy0 NETIF_B=dummy0 ADDR_A=10.11.0.1 ADDR_B=10.11.0.2
+           ADDR6_A=fd00:11::1 ADDR6_B=fd00:11::2 ;;
+    veth)  NETIF_A=veth0 NETIF_B=veth1 ADDR_A=10.12.0.1 ADDR_B=10.12.0.2
+           ADDR6_A=fd00:12::1 ADDR6_B=fd00:12::2 ;;
+    lo)    NETIF_A=lo NETIF_B=lo ADDR_A=127.0.0.1 ADDR_B=127.0.0.1
+           ADDR6_A=::1 ADDR6_B=::1 ;;
     *) echo "vm-rdma-setup: unknown netdev kind '$ND' (dummy|veth|lo)" >&2; exit 2 ;;
 esac
 
@@ -54,6 +64,8 @@ case $ND in
 link add dummy0 type dummy
 addr add $ADDR_A/24 dev dummy0
 addr add $ADDR_B/24 dev dummy0
+addr add $ADDR6_A/64 dev dummy0 nodad
+addr add $ADDR6_B/64 dev dummy0 nodad
 link set dummy0 up
 EOF
         ;;
@@ -69,6 +81,8 @@ EOF
 link add veth0 address 02:00:0a:0c:00:01 type veth peer name veth1 address 02:00:0a:0c:00:02
 addr add $ADDR_A/24 dev veth0
 addr add $ADDR_B/24 dev veth1
+addr add $ADDR6_A/64 dev veth0 nodad
+addr add $ADDR6_B/64 dev veth1 nodad
 link set veth0 up
 link set veth1 up
 rule add pref 100 lookup local
@@ -79,6 +93,18 @@ route add $ADDR_A dev veth1 src $ADDR_B table 101
 route add $ADDR_B dev veth0 src $ADDR_A table 102
 neigh replace $ADDR_A lladdr 02:00:0a:0c:00:01 dev veth1 nud permanent
 neigh replace $ADDR_B lladdr 02:00:0a:0c:00:02 dev veth0 nud permanent
+EOF
+        # The same for IPv6, whose rules are a list of their own. IPv6 has no
+        # accept_local: it takes packets from its own addresses as they are.
+        ip -6 -batch - <<EOF
+rule add pref 100 lookup local
+rule del pref 0 lookup local
+rule add pref 10 iif lo to $ADDR6_A lookup 101
+rule add pref 11 iif lo to $ADDR6_B lookup 102
+route add $ADDR6_A dev veth1 src $ADDR6_B table 101
+route add $ADDR6_B dev veth0 src $ADDR6_A table 102
+neigh replace $ADDR6_A lladdr 02:00:0a:0c:00:01 dev veth1 nud permanent
+neigh replace $ADDR6_B lladdr 02:00:0a:0c:00:02 dev veth0 nud permanent
 EOF
         for k in all default veth0 veth1; do
             sysctl_w net.ipv4.conf.$k.accept_local 1
@@ -125,6 +151,15 @@ if need_gid && { [ -z "$GID_A" ] || [ -z "$GID_B" ]; }; then
     echo "vm-rdma-setup: no IPv4 GID for $ADDR_A/$ADDR_B on $DEV_A/$DEV_B" >&2; exit 1
 fi
 
+# A host name for side A in both families (the guest's / is the host's,
+# read-only: a copy of /etc/hosts with the name goes over it).
+HOSTS=/run/coverbs-vm/hosts
+[ -d /run/coverbs-vm ] || mkdir -p /run/coverbs-vm
+{ [ -r /etc/hosts ] && echo "$(< /etc/hosts)"
+  echo "$ADDR_A coverbs-vm-a"
+  echo "$ADDR6_A coverbs-vm-a"; } > "$HOSTS"
+mount --bind "$HOSTS" /etc/hosts
+
 rdma link show
 ip -brief addr show
 
@@ -137,6 +172,9 @@ export COVERBS_VM_NETIF_A=$NETIF_A
 export COVERBS_VM_NETIF_B=$NETIF_B
 export COVERBS_VM_ADDR_A=$ADDR_A
 export COVERBS_VM_ADDR_B=$ADDR_B
+export COVERBS_VM_ADDR6_A=$ADDR6_A
+export COVERBS_VM_ADDR6_B=$ADDR6_B
+export COVERBS_VM_NAME_A=coverbs-vm-a
 export COVERBS_VM_GID_INDEX_A=$GID_A
 export COVERBS_VM_GID_INDEX_B=$GID_B
 EOF
