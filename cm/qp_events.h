@@ -6,8 +6,8 @@
 // its QP goes to the error state and its receives flush, which alone reads
 // as "peer gone". The device says why in an asynchronous event naming the
 // QP (IBV_EVENT_QP_ACCESS_ERR; IBV_EVENT_QP_REQ_ERR for an invalid
-// request, which is what siw raises for a bad key; rxe on Linux 6.1 raises
-// none, cm/README.md). QpEvents reads a device's events and keeps, for each QP a
+// request, which is what siw raises for a bad key; rxe on Linux 6.1 has raised
+// none by its flush, cm/README.md). QpEvents reads a device's events and keeps, for each QP a
 // connection tracks, the first such event, for the connection to take when
 // it decides its close cause.
 //

@@ -153,8 +153,8 @@ class TargetOfBadKeyTest : public CloseCauseTest {
   // What the target of a bad-key access reports on this device, and the
   // event named in its detail (cm/README.md, "Why a connection ended"):
   // verbs says IBV_EVENT_QP_ACCESS_ERR (soft does); siw (Linux 6.1) raises
-  // IBV_EVENT_QP_REQ_ERR instead; rxe (Linux 6.1) raises no event at all,
-  // so its target sees only the flush: "peer gone".
+  // IBV_EVENT_QP_REQ_ERR instead; rxe (Linux 6.1) has raised none when the
+  // flush is handled, so its target sees only the flush: "peer gone".
   bool rxe() const { return absl::StartsWith(device_->name(), "rxe"); }
   CloseCause TargetOfBadKeyCause() const {
     return rxe() ? CloseCause::kPeerGone : CloseCause::kProtectionError;
