@@ -114,6 +114,7 @@ absl::Status ConnectionImpl::InitSrq() {
 }
 
 absl::Status ConnectionImpl::Init() {
+  SharedOf(ctx_).qp_events->Track(qp_num_);
   if (options_.rendezvous_threshold == 0 ||
       options_.rendezvous_threshold > (1u << 20)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -373,6 +374,7 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
     cause = CloseCause::kPeerClosed;
     why = absl::UnavailableError("closed by the peer");
   }
+  if (cause == CloseCause::kPeerGone) CauseFromQpEvent(&cause, &why);
   const char* words = CloseCauseName(cause);
   cause_ = cause;
   // The cause in words first; the detail (verbs status, what failed) after,
@@ -416,6 +418,35 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
       ++it;
     }
   }
+}
+
+void ConnectionImpl::CauseFromQpEvent(CloseCause* cause, absl::Status* why) {
+  // Our QP failed with nothing known here: no failed completion of ours, no
+  // goodbye. If the peer broke it -- a READ or WRITE with a bad key, range
+  // or right, refused by our QP as the responder -- the device raised an
+  // asynchronous event naming the QP before it flushed anything (verbs
+  // moves the QP to error and reports it; soft queues the event before its
+  // flushes). That event is on the device's event fd, but maybe not read
+  // yet: the flush and the event come through different fds, and the
+  // reactor may see the flush first. ErrorOf therefore reads the pending
+  // events now, under the table's lock, before deciding. So the answer
+  // depends on what the device did, not on which fd the reactor served
+  // first: the same scenario gives the same cause. (Waiting a while for an
+  // event that may never come would delay every real "peer gone" and
+  // still race a late device.)
+  std::optional<transport::AsyncEvent> ev =
+      SharedOf(ctx_).qp_events->ErrorOf(qp_num_);
+  if (!ev.has_value()) return;
+  // IBV_EVENT_QP_ACCESS_ERR is the verbs name for it; siw (Linux 6.1)
+  // raises IBV_EVENT_QP_REQ_ERR ("invalid request") for the same bad key
+  // (cm/README.md). Either way our QP refused a request of the peer and our
+  // own protocol is intact: a protection error, the event's name in the
+  // detail, never the (rate-limited) protocol violation of cm's framing.
+  *cause = CloseCause::kProtectionError;
+  *why = absl::PermissionDeniedError(absl::StrCat(
+      "the peer's request failed on our QP: ",
+      transport::AsyncEventName(ev->type), " (", ev->description, "); ",
+      why->message()));
 }
 
 void ConnectionImpl::LogClose() const {
@@ -579,6 +610,8 @@ ConnectionImpl::~ConnectionImpl() {
     Fail(CloseCause::kLocalClose,
          absl::UnavailableError("the connection was destroyed"));
   }
+  // Before the QP goes: its number may serve a new QP at once.
+  SharedOf(ctx_).qp_events->Forget(qp_num_);
   qp_.reset();  // drains (bounded) before freeing what the NIC may touch
   link_.reset();
   for (Incoming& in : incoming_) delete in.large;

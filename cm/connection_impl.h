@@ -336,6 +336,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // argument form finds the cause in the verbs status `why` carries.
   void Fail(CloseCause cause, absl::Status why);
   void Fail(absl::Status why);
+  // A "peer gone" becomes the fault the device reported on our QP, if it
+  // reported one (cm/qp_events.h).
+  void CauseFromQpEvent(CloseCause* cause, absl::Status* why);
   void LogClose() const;
   // What an operation on the down connection returns.
   absl::Status DownError(const char* op) const;

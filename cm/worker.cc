@@ -52,6 +52,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   ctx->connector_ = *std::move(connector);
   ctx->reg_cache_ = std::make_unique<transport::RegistrationCache>(*ctx->pd_);
   ctx->shared_ = std::make_unique<internal::WorkerShared>();
+  ctx->shared_->qp_events = internal::QpEvents::For(device);
+  reactor.Spawn(internal::QpEvents::Watch(ctx->shared_->qp_events,
+                                          ctx->shared_->qp_events->fd(),
+                                          &reactor),
+                ctx->shared_->watch_stop.get_token());
   ctx->shared_->large_memory = std::make_shared<internal::LargeMemoryCache>(
       options.rendezvous_cache_bytes);
   // Idle landing blocks stay registered, i.e. pinned and counted against

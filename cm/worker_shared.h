@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <stop_token>
 #include <vector>
 
 #include "cm/worker.h"
 #include "cm/large_memory_cache.h"
+#include "cm/qp_events.h"
 #include "transport/connector.h"
 #include "transport/memory.h"
 
@@ -24,8 +26,14 @@ void DetachSrqPool(SrqPool* pool);
 
 struct WorkerShared {
   ~WorkerShared() {
+    watch_stop.request_stop();
     if (srq_pool != nullptr) DetachSrqPool(srq_pool);
   }
+  // The device's asynchronous QP events (why a connection's QP failed),
+  // shared with the device's other Workers; this Worker's reactor watches
+  // them until watch_stop.
+  std::shared_ptr<QpEvents> qp_events;
+  std::stop_source watch_stop;
   // Registered send buffers, by buffer size, shared by the connections.
   std::map<size_t, std::unique_ptr<transport::BufferPool>> send_pools;
   // Rendezvous receive memory (a Message holding some may outlive the

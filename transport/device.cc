@@ -106,11 +106,17 @@ Task<absl::Status> Device::WatchAsyncEvents(
       }
       co_return ready.status();
     }
-    for (;;) {
-      absl::StatusOr<AsyncEvent> ev = provider_->GetAsyncEvent();
-      if (!ev.ok()) break;  // NotFound: drained
-      handler(*ev);
-    }
+    DrainAsyncEvents(handler);
+  }
+}
+
+void Device::DrainAsyncEvents(
+    const std::function<void(const AsyncEvent&)>& handler) {
+  if (provider_->async_fd() < 0) return;
+  for (;;) {
+    absl::StatusOr<AsyncEvent> ev = provider_->GetAsyncEvent();
+    if (!ev.ok()) return;  // NotFound: drained
+    handler(*ev);
   }
 }
 

@@ -186,6 +186,13 @@ class Device {
   Task<absl::Status> WatchAsyncEvents(
       Reactor* reactor, std::function<void(const AsyncEvent&)> handler);
 
+  // The asynchronous events pending now, without waiting: each is handed to
+  // `handler` on the calling thread (any thread). Events go to one reader:
+  // whoever reads one (this or WatchAsyncEvents) consumes it.
+  void DrainAsyncEvents(const std::function<void(const AsyncEvent&)>& handler);
+  // The fd readable while events are pending; -1 if the provider has none.
+  int async_event_fd() const { return provider_->async_fd(); }
+
  private:
   std::unique_ptr<Provider> provider_;
 };

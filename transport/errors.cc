@@ -45,6 +45,36 @@ const char* WcStatusName(ibv_wc_status s) {
   return "IBV_WC_UNKNOWN";
 }
 
+const char* AsyncEventName(ibv_event_type t) {
+  switch (t) {
+#define CASE(x) \
+  case x:       \
+    return #x;
+    CASE(IBV_EVENT_CQ_ERR)
+    CASE(IBV_EVENT_QP_FATAL)
+    CASE(IBV_EVENT_QP_REQ_ERR)
+    CASE(IBV_EVENT_QP_ACCESS_ERR)
+    CASE(IBV_EVENT_COMM_EST)
+    CASE(IBV_EVENT_SQ_DRAINED)
+    CASE(IBV_EVENT_PATH_MIG)
+    CASE(IBV_EVENT_PATH_MIG_ERR)
+    CASE(IBV_EVENT_DEVICE_FATAL)
+    CASE(IBV_EVENT_PORT_ACTIVE)
+    CASE(IBV_EVENT_PORT_ERR)
+    CASE(IBV_EVENT_LID_CHANGE)
+    CASE(IBV_EVENT_PKEY_CHANGE)
+    CASE(IBV_EVENT_SM_CHANGE)
+    CASE(IBV_EVENT_SRQ_ERR)
+    CASE(IBV_EVENT_SRQ_LIMIT_REACHED)
+    CASE(IBV_EVENT_QP_LAST_WQE_REACHED)
+    CASE(IBV_EVENT_CLIENT_REREGISTER)
+    CASE(IBV_EVENT_GID_CHANGE)
+    CASE(IBV_EVENT_WQ_FATAL)
+#undef CASE
+  }
+  return "IBV_EVENT_UNKNOWN";
+}
+
 absl::StatusCode CodeForWcStatus(ibv_wc_status s) {
   switch (s) {
     case IBV_WC_SUCCESS:

@@ -22,6 +22,10 @@ namespace coverbs::transport {
 // Name of the ibv_wc_status enumerator ("IBV_WC_REM_ACCESS_ERR").
 const char* WcStatusName(ibv_wc_status s);
 
+// Name of the ibv_event_type enumerator ("IBV_EVENT_QP_ACCESS_ERR");
+// ibv_event_type_str gives words instead ("local access violation error").
+const char* AsyncEventName(ibv_event_type t);
+
 // The canonical code for a completion status: REM_ACCESS_ERR and
 // LOC_PROT_ERR -> PermissionDenied, WR_FLUSH_ERR -> Aborted,
 // RNR_RETRY_EXC_ERR / RETRY_EXC_ERR -> Unavailable, LOC_LEN_ERR /

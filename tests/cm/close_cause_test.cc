@@ -4,6 +4,7 @@
 // connection ids are unique in the process. (Peer processes killed or
 // frozen: peer_process_test.cc.)
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,77 @@ TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
   }(this));
 }
 
+// The other end of a bad key: the TARGET, whose QP refused the peer's READ
+// or WRITE, has no failed completion of its own -- its QP goes to error and
+// its receives flush. The device names the QP in an asynchronous event
+// (IBV_EVENT_QP_ACCESS_ERR), so the target reports a protection error too,
+// with the event's name in the detail, every time (the flush and the event
+// reach the reactor through different fds, in either order). Ten rounds:
+// the same scenario, the same cause. TargetOfBadKeyCause() says what each
+// device does.
+class TargetOfBadKeyTest : public CloseCauseTest {
+ public:
+  enum class Op { kRead, kWrite };
+  // What the target of a bad-key access reports on this device, and the
+  // event named in its detail (cm/README.md, "Why a connection ended"):
+  // verbs says IBV_EVENT_QP_ACCESS_ERR (soft does); siw (Linux 6.1) raises
+  // IBV_EVENT_QP_REQ_ERR instead; rxe (Linux 6.1) has raised none when the
+  // flush is handled, so its target sees only the flush: "peer gone".
+  bool rxe() const { return absl::StartsWith(device_->name(), "rxe"); }
+  CloseCause TargetOfBadKeyCause() const {
+    return rxe() ? CloseCause::kPeerGone : CloseCause::kProtectionError;
+  }
+  const char* TargetOfBadKeyEvent() const {
+    return iwarp() ? "IBV_EVENT_QP_REQ_ERR" : "IBV_EVENT_QP_ACCESS_ERR";
+  }
+  static Task<void> Rounds(TargetOfBadKeyTest* t, Op op) {
+    for (int round = 0; round < 10; ++round) {
+      auto p = co_await t->MakePair();
+      CO_ASSERT_OK(p);
+      std::vector<std::byte> local(64);
+      transport::RemoteRegion bogus;
+      bogus.addr = 4096;
+      bogus.length = 64;
+      bogus.rkey = 0x5eed1234;
+      std::span<std::byte> buf(local.data(), local.size());
+      absl::Status r = op == Op::kRead
+                           ? co_await p->client->Read(buf, bogus)
+                           : co_await p->client->Write(buf, bogus);
+      // The requester's own completion may succeed on iWARP (a WRITE is
+      // placed, or refused, after it completed); the target's end is what
+      // this test is about.
+      (void)r;
+      auto end = co_await p->server->Recv();
+      EXPECT_FALSE(end.ok());
+      const CloseCause want = t->TargetOfBadKeyCause();
+      EXPECT_EQ(p->server->close_cause(), want)
+          << "round " << round << ": " << p->server->status();
+      if (want == CloseCause::kProtectionError) {
+        EXPECT_TRUE(StartsWith(p->server->status(),
+                               "protection error on this connection"))
+            << p->server->status();
+        EXPECT_TRUE(absl::StrContains(p->server->status().message(),
+                                      t->TargetOfBadKeyEvent()))
+            << p->server->status();
+        auto sl = t->Closes(p->server->name());
+        CO_ASSERT_TRUE(sl.size() == 1u);
+        EXPECT_TRUE(absl::StrContains(
+            sl[0], "closed: protection error on this connection"))
+            << sl[0];
+      }
+      co_await Close(*p);
+    }
+  }
+};
+
+TEST_P(TargetOfBadKeyTest, BadKeyReadIsAProtectionErrorOnTheTargetToo) {
+  Run(Rounds(this, Op::kRead));
+}
+
+TEST_P(TargetOfBadKeyTest, BadKeyWriteIsAProtectionErrorOnTheTargetToo) {
+  Run(Rounds(this, Op::kWrite));
+}
+
 // A peer that breaks the framing: "protocol violation by the peer", logged.
 TEST_P(CloseCauseTest, ProtocolViolationIsNamedAndLogged) {
   Run([](CloseCauseTest* t) -> Task<void> {
@@ -160,6 +232,9 @@ TEST_P(CloseCauseTest, ProtocolViolationIsNamedAndLogged) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, CloseCauseTest,
+                         ::testing::ValuesIn(Providers()),
+                         [](const auto& info) { return info.param; });
+INSTANTIATE_TEST_SUITE_P(Providers, TargetOfBadKeyTest,
                          ::testing::ValuesIn(Providers()),
                          [](const auto& info) { return info.param; });
 

@@ -186,13 +186,17 @@ void QpCore::Destroy() {
 // ---------------------------------------------------------------------------
 // Progress thread: errors
 
-void QpCore::EnterError(Cause cause, const std::string& why) {
+void QpCore::EnterError(Cause cause, const std::string& why,
+                        ibv_event_type event) {
   if (err_) return;
   err_ = true;
   state_.store(IBV_QPS_ERR);
+  // The event is queued before any flush completion is pushed: whoever
+  // reads a flush of this QP finds its event already pending (cm decides a
+  // close's cause that way, cm/async_events.h).
   if (cause == Cause::kFault && cfg_.async) {
     cfg_.async->Push(AsyncEvent{
-        IBV_EVENT_QP_FATAL, qp_num(),
+        event, qp_num(),
         absl::StrFormat("soft: qp %u (peer qp %u) error: %s", qp_num(),
                         peer_qpn_, why)});
   }

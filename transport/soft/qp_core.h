@@ -276,7 +276,11 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   void ResetTx();
 
   // Progress thread: errors.
-  void EnterError(Cause cause, const std::string& why);
+  // A fault raises `event` on the QP (the async event queue): verbs'
+  // IBV_EVENT_QP_ACCESS_ERR / _REQ_ERR for a request the responder refused
+  // for its key or validity, IBV_EVENT_QP_FATAL for the rest.
+  void EnterError(Cause cause, const std::string& why,
+                  ibv_event_type event = IBV_EVENT_QP_FATAL);
   void FlushRq();
   void FlushSq();
   void CloseNow();

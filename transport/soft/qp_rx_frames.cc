@@ -68,7 +68,18 @@ void QpCore::RespondError(uint8_t nak_status, const std::string& why) {
   c.seq = cur_.seq;
   c.syndrome = nak_status;
   QueueCtrl(std::move(c));
-  EnterError(Cause::kFault, why);
+  // As a verbs responder: a request refused for its key, range or rights
+  // is a remote access violation on this QP (IBV_EVENT_QP_ACCESS_ERR, rxe's
+  // and the IB spec's "local access violation WQ error"); one invalid in
+  // itself is an invalid request (IBV_EVENT_QP_REQ_ERR); a failure of our
+  // own receive stays a QP fatal error.
+  ibv_event_type event = IBV_EVENT_QP_FATAL;
+  if (nak_status == IBV_WC_REM_ACCESS_ERR) {
+    event = IBV_EVENT_QP_ACCESS_ERR;
+  } else if (nak_status == IBV_WC_REM_INV_REQ_ERR) {
+    event = IBV_EVENT_QP_REQ_ERR;
+  }
+  EnterError(Cause::kFault, why, event);
 }
 
 void QpCore::PushRecvWc(uint8_t status, ibv_wc_opcode op, uint32_t len,

@@ -186,7 +186,10 @@ bool QpCore::Build() {
     if (fault) break;
   }
   if (fault) {
-    EnterError(Cause::kFault, "source of an RDMA READ response deregistered");
+    // Refused with REM_ACCESS_ERR, as at the READ's arrival: an access
+    // violation on this (the responder's) QP.
+    EnterError(Cause::kFault, "source of an RDMA READ response deregistered",
+               IBV_EVENT_QP_ACCESS_ERR);
   }
   if (err_ || rnr_wait_ || fd_ < 0) return nsegs_ > 0;
 
