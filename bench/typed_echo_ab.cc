@@ -30,7 +30,6 @@ Task<absl::StatusOr<std::string>> EchoString(std::string s) { co_return s; }
 Task<absl::StatusOr<Blob64>> EchoBlob(Blob64 b) { co_return b; }
 
 enum Kind { kBytes, kString, kStruct };
-const char* kNames[] = {"byte", "typed string", "typed struct"};
 
 Task<absl::StatusOr<double>> Run(rpc::Client& c, Kind kind, size_t calls,
                                  size_t depth, const std::string& payload) {

@@ -161,8 +161,12 @@ Task<absl::StatusOr<std::vector<SocketAddress>>> Resolve(
     }
     co_return waited;
   }
+  // Moved out, not copied: a copy would share the error's reference-counted
+  // rep with the lookup, which the thread may be the last to release --
+  // correct (absl counts atomically) but invisible to TSan, which cannot
+  // see into Debian's uninstrumented absl and reports the release as a race.
   std::lock_guard<std::mutex> lock(lookup->mu);
-  co_return lookup->result;
+  co_return std::move(lookup->result);
 }
 
 std::string Endpoint(const std::string& address, uint16_t port) {
