@@ -23,6 +23,15 @@ bool StartsWith(const absl::Status& s, const char* words) {
   return absl::StartsWith(s.message(), words);
 }
 
+// A key the peer never gave, naming memory it never exposed.
+transport::RemoteRegion BogusRegion() {
+  transport::RemoteRegion bogus;
+  bogus.addr = 4096;
+  bogus.length = 64;
+  bogus.rkey = 0x5eed1234;
+  return bogus;
+}
+
 class CloseCauseTest : public CmTest {
  public:
   void SetUp() override {
@@ -115,12 +124,8 @@ TEST_P(CloseCauseTest, BadRemoteKeyIsAProtectionError) {
     auto p = co_await t->MakePair();
     CO_ASSERT_OK(p);
     std::vector<std::byte> local(64);
-    transport::RemoteRegion bogus;
-    bogus.addr = 4096;
-    bogus.length = 64;
-    bogus.rkey = 0x5eed1234;
     absl::Status r = co_await p->client->Read(
-        std::span<std::byte>(local.data(), local.size()), bogus);
+        std::span<std::byte>(local.data(), local.size()), BogusRegion());
     EXPECT_FALSE(r.ok());
     if (t->iwarp()) {
       EXPECT_EQ(p->client->close_cause(), CloseCause::kPeerGone)
@@ -167,14 +172,10 @@ class TargetOfBadKeyTest : public CloseCauseTest {
       auto p = co_await t->MakePair();
       CO_ASSERT_OK(p);
       std::vector<std::byte> local(64);
-      transport::RemoteRegion bogus;
-      bogus.addr = 4096;
-      bogus.length = 64;
-      bogus.rkey = 0x5eed1234;
+      const transport::RemoteRegion bogus = BogusRegion();
       std::span<std::byte> buf(local.data(), local.size());
-      absl::Status r = op == Op::kRead
-                           ? co_await p->client->Read(buf, bogus)
-                           : co_await p->client->Write(buf, bogus);
+      absl::Status r = op == Op::kRead ? co_await p->client->Read(buf, bogus)
+                                       : co_await p->client->Write(buf, bogus);
       // The requester's own completion may succeed on iWARP (a WRITE is
       // placed, or refused, after it completed); the target's end is what
       // this test is about.
