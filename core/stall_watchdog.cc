@@ -13,9 +13,10 @@ namespace coverbs::internal {
 namespace {
 
 // How often a reactor is looked at: a quarter of its threshold, so a stall
-// is flagged at most 25% after the threshold and its reported duration is
-// short by at most that much (the watchdog knows when it first saw the
-// task running, not when it started). Never below 1 ms.
+// is flagged about 25% after the threshold and its reported duration is
+// short by about that much (the watchdog knows when it first saw the task
+// running, not when it started), more when this thread is woken late on a
+// loaded machine. Never below 1 ms.
 constexpr int64_t kMinTickNs = 1'000'000;
 
 struct Watchdog {
