@@ -10,6 +10,8 @@
 #   VM_RDMA=none|rxe|siw     set up a soft-RDMA device first (default none)
 #   VM_NETDEV=dummy|veth|lo  netdev for VM_RDMA (default dummy); see vm-rdma-setup.sh
 #   VM_TIMEOUT=1800          seconds before qemu is killed (exit 124)
+#   VM_BOOT_TIMEOUT=120      seconds for the guest to reach stage 2; a boot that
+#                            does not is killed and retried once (0: off)
 #   VM_SMP=2  VM_MEM=4G      guest CPUs / memory (memory is allocated lazily)
 #   VM_TCG_THREAD=multi      multi|single; see README (one vCPU per host thread)
 #   VM_ACCEL=auto            auto|tcg|kvm (auto: kvm when /dev/kvm is usable)
@@ -208,16 +210,47 @@ else CONSOLE=(-serial "file:$RUN/console.log"); fi
 # its own offset. Hence the pipe through cat.
 exec 3> >(exec cat)
 CAT_PID=$!
+# A guest reaches stage 2 in 5-9 s of its uptime under TCG. Rarely (once in
+# a few hundred boots, at host load 5) it never does: nothing on the
+# console, no stage 2, and the test used to wait out its whole VM_TIMEOUT.
+# Such a boot is killed after VM_BOOT_TIMEOUT seconds and booted once more;
+# the command has not started then, so running it on the second boot is
+# safe. A hang after stage 2 is the command's own and is not retried.
+BOOT_TIMEOUT=${VM_BOOT_TIMEOUT:-120}
 t0=$(date +%s.%N)
-timeout -k 10 "$TIMEOUT" "$QEMU" -nodefaults -no-user-config -nic none -no-reboot \
-    -machine pc "${ACCEL[@]}" -smp "$SMP" -m "$MEM" -display none -vga none \
-    "${CONSOLE[@]}" -chardev file,id=out,path=/proc/self/fd/3 -serial chardev:out \
-    -kernel "$COVERBS_VM_KERNEL" -initrd "$COVERBS_VM_INITRD" -append "$APPEND" \
-    -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
-    -virtfs "local,path=$RUN,mount_tag=run,security_model=none,multidevs=remap" \
-    "${QEMU_SHARES[@]}" < /dev/null &
-QEMU_PID=$!
-wait "$QEMU_PID"; qrc=$?
+boot() {  # $1: seconds left
+    timeout -k 10 "$1" "$QEMU" -nodefaults -no-user-config -nic none -no-reboot \
+        -machine pc "${ACCEL[@]}" -smp "$SMP" -m "$MEM" -display none -vga none \
+        "${CONSOLE[@]}" -chardev file,id=out,path=/proc/self/fd/3 -serial chardev:out \
+        -kernel "$COVERBS_VM_KERNEL" -initrd "$COVERBS_VM_INITRD" -append "$APPEND" \
+        -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
+        -virtfs "local,path=$RUN,mount_tag=run,security_model=none,multidevs=remap" \
+        "${QEMU_SHARES[@]}" < /dev/null &
+    QEMU_PID=$!
+}
+elapsed() { awk "BEGIN { printf \"%d\", $(date +%s.%N) - $t0 }"; }
+for attempt in 1 2; do
+    boot $((TIMEOUT - $(elapsed)))
+    booted=0
+    if [ "$attempt" = 1 ] && [ "$BOOT_TIMEOUT" -gt 0 ] && [ "$BOOT_TIMEOUT" -lt "$TIMEOUT" ]; then
+        start=$SECONDS
+        while kill -0 "$QEMU_PID" 2>/dev/null; do
+            [ -e "$RUN/uptime.stage2" ] && { booted=1; break; }
+            ((SECONDS - start >= BOOT_TIMEOUT)) && break
+            sleep 0.5
+        done
+        if [ "$booted" = 0 ] && kill -0 "$QEMU_PID" 2>/dev/null && [ ! -e "$RUN/uptime.stage2" ]; then
+            echo "run-in-vm: the guest did not reach stage 2 in ${BOOT_TIMEOUT}s (VM_BOOT_TIMEOUT); booting once more. Console tail:" >&2
+            tail -n 20 "$RUN/console.log" >&2 2>/dev/null
+            kill -TERM "$QEMU_PID" 2>/dev/null  # timeout passes it on to qemu
+            wait "$QEMU_PID" 2>/dev/null
+            [ -f "$RUN/console.log" ] && mv "$RUN/console.log" "$RUN/console.boot1.log"
+            continue
+        fi
+    fi
+    wait "$QEMU_PID"; qrc=$?
+    break
+done
 QEMU_PID=
 t1=$(date +%s.%N)
 exec 3>&-
