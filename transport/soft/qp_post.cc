@@ -252,6 +252,15 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
         t_batch.qps.push_back(
             DeferredQp{shared_from_this(), engine_->shared_from_this()});
       }
+      const uint32_t n =
+          batch_posts_.fetch_add(1, std::memory_order_relaxed) + 1;
+      const uint32_t at = early_tx_at_.load(std::memory_order_relaxed);
+      if (n >= at) {
+        // Transmits now; the QP stays on the batch's list (a later post
+        // lists it again: flushing twice sends nothing twice).
+        FlushDeferred();
+        early_tx_at_.store(at * 2, std::memory_order_relaxed);
+      }
     } else {
       Kick();
     }
@@ -287,6 +296,8 @@ bool QpCore::FlushDeferred(bool may_hold) {
   // again or finds its WR picked up by the TxInline below (which reads the
   // ring's head under mu_ after this store).
   deferred_.store(false);
+  batch_posts_.store(0, std::memory_order_relaxed);
+  early_tx_at_.store(kFirstEarlyTx, std::memory_order_relaxed);
   // Not under mu_: TxInline takes progress_mu_, which comes first.
   switch (TxInline(may_hold)) {
     case InlineTx::kDone:

@@ -1,6 +1,6 @@
 // Post batches (ProviderCq::BeginBatch / EndBatch; a reactor's loop
 // iteration): SENDs posted inside one are held back and transmitted at its
-// end by the posting thread, in order with what the progress thread is
+// end by the posting thread (or early, after QpCore::kFirstEarlyTx posts), in order with what the progress thread is
 // transmitting for the same QP, with the progress thread taking over what a
 // full socket does not take.
 #include <poll.h>
@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/transport/soft/soft_test_util.h"
+#include "transport/soft/qp_core.h"
 #include "transport/soft/soft_provider.h"
 #include "transport/soft/wire.h"
 
@@ -47,19 +48,31 @@ TEST_F(SoftBatchTest, BatchHoldsPostsUntilItEnds) {
     ibv_sge r = Sge(&got[i], 8, gmr->lkey());
     ASSERT_TRUE(PostRecv1(b(), i, &r, 1).ok());
   }
-  cq_a_->BeginBatch();
-  for (uint64_t i = 0; i < 4; ++i) {
+  // Held until the batch has posted kFirstEarlyTx to the QP, which go out
+  // at once; the next ones until twice as many more, or the batch's end.
+  static_assert(QpCore::kFirstEarlyTx == 3);
+  auto post = [&](uint64_t i) {
     uint64_t v = 100 + i;
     ibv_sge s = Sge(&v, 8, 0);
     ASSERT_TRUE(PostSend1(a(), i, IBV_WR_SEND, &s, 1,
                           IBV_SEND_INLINE | IBV_SEND_SIGNALED)
                     .ok());
-  }
+  };
+  std::vector<ibv_wc> rw;
+  cq_a_->BeginBatch();
+  post(0);
+  post(1);
   // Nothing was handed to anyone yet: the peer receives nothing.
   ExpectEmpty(cq_b_.get());
+  post(2);
+  rw = PollN(cq_b_.get(), 3);
+  ASSERT_EQ(rw.size(), 3u);
+  post(3);
+  ExpectEmpty(cq_b_.get());
   cq_a_->EndBatch();
-  std::vector<ibv_wc> rw = PollN(cq_b_.get(), 4);
-  ASSERT_EQ(rw.size(), 4u);
+  std::vector<ibv_wc> last = PollN(cq_b_.get(), 1);
+  ASSERT_EQ(last.size(), 1u);
+  rw.push_back(last[0]);
   for (uint64_t i = 0; i < 4; ++i) {
     EXPECT_EQ(rw[i].status, IBV_WC_SUCCESS);
     EXPECT_EQ(rw[i].wr_id, i);
