@@ -32,9 +32,16 @@
 namespace coverbs::cm::internal {
 namespace {
 
-// Staging buffers per Worker: one is held only from the copy to the
-// WRITE's completion.
-constexpr size_t kLandingStagingBuffers = 16;
+// Staging buffers per Worker: one is held from the copy to the WRITE's
+// completion, which on soft and RoCE comes with the peer's acknowledgement
+// -- about one round trip. As many as the default landing_buffers, the
+// grants one connection can have in flight: with fewer (16), a connection
+// with 16 calls in flight both ways waited for a buffer on most medium
+// sends, in its send turn, and its sends went out one acknowledgement at a
+// time (the server's reactor posted one response per loop iteration at
+// 8192 B against 16 at 8160 B). 32 x landing_buffer_size (4 MiB by
+// default) per Worker, registered when its first medium message is sent.
+constexpr size_t kLandingStagingBuffers = 32;
 // Grants by memory window per credit message (each is a bind WR posted with
 // it, and the batch must fit the send queue: WriteGrants also caps it at
 // the send queue's depth). 32: the default 32 grants go in one credit
