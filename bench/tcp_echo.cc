@@ -9,7 +9,8 @@
 //
 // A frame is a 12-byte header (payload length, 4 bytes little-endian; call
 // id, 8 bytes) and the payload. The server writes every complete frame back
-// unchanged; the client keeps DEPTH calls in flight on one connection (the
+// unchanged, its THREADS threads serving any number of connections; the
+// client keeps DEPTH calls in flight on one connection (the
 // next request goes out once the oldest response is in), puts the call
 // index in the first 8 payload bytes, checks every echoed byte and prints
 //   size=S calls=N errors=E seconds=T calls_per_s=R
@@ -25,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -32,6 +34,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,48 +75,112 @@ bool WriteAll(int fd, const char* p, size_t n) {
   return true;
 }
 
-// One connection, blocking: read what is there, write every complete frame
-// in it back with one write, keep the partial tail. A blocking write stalls
-// reading, which is TCP's own back-pressure; the client never stops reading.
-void Serve(int fd) {
-  std::vector<char> buf(kChunk);
-  size_t begin = 0, end = 0;  // unanswered bytes are buf[begin, end)
-  size_t need = kHeader;      // bytes the frame at `begin` needs in all
-  for (;;) {
-    // Make room for the pending frame (moving the tail only when the buffer
-    // has no room left at its end, so a large frame is not moved per read).
-    if (buf.size() - begin < need || end == buf.size()) {
-      std::memmove(buf.data(), buf.data() + begin, end - begin);
-      end -= begin;
-      begin = 0;
-      if (buf.size() < need) buf.resize(need);
-    }
-    ssize_t r = read(fd, buf.data() + end, buf.size() - end);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;
-    end += r;
-    size_t done = begin;
-    for (;;) {
-      if (end - done < kHeader) {
-        need = kHeader;
-        break;
-      }
-      uint64_t len = GetLe(buf.data() + done, 4);
-      if (len > kMaxPayload) {
-        std::fprintf(stderr, "tcp_echo: frame of %llu bytes, closing\n",
-                     static_cast<unsigned long long>(len));
-        close(fd);
-        return;
-      }
-      need = kHeader + len;
-      if (end - done < need) break;
-      done += need;
-    }
-    if (done > begin && !WriteAll(fd, buf.data() + begin, done - begin)) break;
-    begin = done;
-    if (begin == end) begin = end = 0;
+// One connection of the server: its unanswered bytes are buf[begin, end),
+// the frame at `begin` needs `need` bytes in all.
+struct Peer {
+  explicit Peer(int f) : fd(f) {}
+  int fd;
+  std::vector<char> buf = std::vector<char>(kChunk);
+  size_t begin = 0, end = 0, need = kHeader;
+};
+
+// One read on a blocking socket, then every complete frame in what is
+// unanswered written back with one write; the partial tail is kept. A
+// blocking write stalls reading, which is TCP's own back-pressure; the
+// client never stops reading. false: the connection is done (closed by the
+// peer, an error, a bad frame). A read that times out (SO_RCVTIMEO) is
+// not an error.
+bool Echo(Peer& p) {
+  // Make room for the pending frame (moving the tail only when the buffer
+  // has no room left at its end, so a large frame is not moved per read).
+  if (p.buf.size() - p.begin < p.need || p.end == p.buf.size()) {
+    std::memmove(p.buf.data(), p.buf.data() + p.begin, p.end - p.begin);
+    p.end -= p.begin;
+    p.begin = 0;
+    if (p.buf.size() < p.need) p.buf.resize(p.need);
   }
-  close(fd);
+  ssize_t r = read(p.fd, p.buf.data() + p.end, p.buf.size() - p.end);
+  if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
+    return true;
+  }
+  if (r <= 0) return false;
+  p.end += r;
+  size_t done = p.begin;
+  for (;;) {
+    if (p.end - done < kHeader) {
+      p.need = kHeader;
+      break;
+    }
+    uint64_t len = GetLe(p.buf.data() + done, 4);
+    if (len > kMaxPayload) {
+      std::fprintf(stderr, "tcp_echo: frame of %llu bytes, closing\n",
+                   static_cast<unsigned long long>(len));
+      return false;
+    }
+    p.need = kHeader + len;
+    if (p.end - done < p.need) break;
+    done += p.need;
+  }
+  if (done > p.begin &&
+      !WriteAll(p.fd, p.buf.data() + p.begin, done - p.begin)) {
+    return false;
+  }
+  p.begin = done;
+  if (p.begin == p.end) p.begin = p.end = 0;
+  return true;
+}
+
+// A server thread and the connections the acceptor handed it.
+struct Worker {
+  std::mutex mu;
+  std::vector<int> handed;  // accepted, not taken yet
+  std::atomic<bool> pending{false};
+  int wake[2] = {-1, -1};  // pipe: a byte per handed connection wakes poll
+};
+
+// How long a thread serving one connection blocks in read before it looks
+// for another handed to it (while that connection is busy it looks after
+// every read).
+constexpr int kHandOffMs = 10;
+
+// A thread with one connection reads it directly, blocking: one read and
+// one write per batch, no poll in between (the shape the comparison
+// usually runs). With several it polls them all (and its wake pipe) and
+// serves every readable one in turn.
+void Work(Worker* w) {
+  std::vector<std::unique_ptr<Peer>> peers;
+  std::vector<pollfd> pfds;
+  for (;;) {
+    if (w->pending.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> g(w->mu);
+      for (int fd : w->handed) peers.push_back(std::make_unique<Peer>(fd));
+      w->handed.clear();
+      w->pending.store(false, std::memory_order_relaxed);
+    }
+    if (peers.size() == 1) {
+      if (!Echo(*peers[0])) {
+        close(peers[0]->fd);
+        peers.clear();
+      }
+      continue;
+    }
+    pfds.assign(1, pollfd{w->wake[0], POLLIN, 0});
+    for (auto& p : peers) pfds.push_back(pollfd{p->fd, POLLIN, 0});
+    if (poll(pfds.data(), pfds.size(), -1) <= 0) continue;
+    if (pfds[0].revents != 0) {
+      char b[64];
+      while (read(w->wake[0], b, sizeof(b)) > 0) {
+      }
+    }
+    // Back to front, so that erasing one keeps the indices of the rest.
+    for (size_t i = peers.size(); i-- > 0;) {
+      if (pfds[i + 1].revents == 0) continue;
+      if (!Echo(*peers[i])) {
+        close(peers[i]->fd);
+        peers.erase(peers.begin() + static_cast<ptrdiff_t>(i));
+      }
+    }
+  }
 }
 
 int Server(int port, int threads) {
@@ -139,24 +207,41 @@ int Server(int port, int threads) {
                  std::strerror(errno));
     return 1;
   }
+  // THREADS threads, the accepted connections handed to them in turn (as
+  // coro_rpc's io threads and coverbs' reactors take theirs); each thread
+  // serves all of its connections. They live until the process ends.
+  auto* workers = new std::vector<std::unique_ptr<Worker>>();
+  for (int t = 0; t < threads; ++t) {
+    auto w = std::make_unique<Worker>();
+    if (pipe2(w->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      std::fprintf(stderr, "tcp_echo: pipe: %s\n", std::strerror(errno));
+      return 1;
+    }
+    std::thread(Work, w.get()).detach();
+    workers->push_back(std::move(w));
+  }
   std::printf("port=%d\n", ntohs(sa.sin_port));
   std::fflush(stdout);
-  // THREADS threads, each serving one connection at a time from accept to
-  // close: for the one connection the comparison uses, that is one read
-  // and one write per batch, no poll in between.
-  for (int t = 0; t < threads; ++t) {
-    std::thread([l] {
-      for (;;) {
-        int c = accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
-        if (c < 0) {  // e.g. out of descriptors: retry, but do not spin
-          usleep(1000);
-          continue;
-        }
-        NoDelay(c);
-        Serve(c);
+  std::thread([l, workers] {
+    for (size_t next = 0;;) {
+      int c = accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) {  // e.g. out of descriptors: retry, but do not spin
+        usleep(1000);
+        continue;
       }
-    }).detach();
-  }
+      NoDelay(c);
+      timeval tv{0, kHandOffMs * 1000};
+      setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      Worker& w = *(*workers)[next++ % workers->size()];
+      {
+        std::lock_guard<std::mutex> g(w.mu);
+        w.handed.push_back(c);
+        w.pending.store(true, std::memory_order_release);
+      }
+      char b = 0;
+      (void)!write(w.wake[1], &b, 1);
+    }
+  }).detach();
   int sig = 0;
   sigwait(&stop, &sig);
   // The workers hold nothing that must be finished (an echo keeps no
