@@ -105,6 +105,8 @@ class QpCore : public std::enable_shared_from_this<QpCore> {
   // lets the peer start on the first few while this side makes the rest,
   // for a few more sendmsgs per batch (3 for 16 posts, 5 for 64).
   static constexpr uint32_t kFirstEarlyTx = 3;
+  // Posts carrying more than this many payload bytes do not count.
+  static constexpr uint64_t kEarlyTxMaxBytes = 16 * 1024;
   absl::Status PostSend(ibv_send_wr* wr, ibv_send_wr** bad);
   absl::Status PostRecv(ibv_recv_wr* wr, ibv_recv_wr** bad);
   void RequestError();
