@@ -26,11 +26,24 @@ struct DeferredQp {
 // The calling thread's post batch (BeginPostBatch / EndPostBatch).
 struct PostBatch {
   int depth = 0;
-  std::vector<DeferredQp> qps;  // each QP once (QpCore::deferred_)
+  // Listed by their first post (QpCore::deferred_), again after an early
+  // transmit.
+  std::vector<DeferredQp> qps;
+  // More than one QP listed in this batch, or in the last outermost one
+  // (a reactor serving several connections): no early transmits
+  // (QpCore::PostSend).
+  bool several = false;
+  bool several_before = false;
+  bool EarlyTx() const { return !several && !several_before; }
   // Held back by the last outermost batch (a pure ACK), still deferred_:
   // sent by the next EndPostBatch or FlushHeldAcks.
   std::vector<DeferredQp> held;
   std::vector<DeferredQp> flushing;  // `held` being sent (kept for capacity)
+
+  void List(std::shared_ptr<QpCore> qp, std::shared_ptr<Engine> engine) {
+    if (!qps.empty() && qps.front().qp != qp) several = true;
+    qps.push_back(DeferredQp{std::move(qp), std::move(engine)});
+  }
 };
 thread_local PostBatch t_batch;
 
@@ -253,8 +266,7 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
       if (!deferred_.exchange(true)) {
         // References: the QP or its engine may be destroyed (by another
         // thread, too) before the batch ends.
-        t_batch.qps.push_back(
-            DeferredQp{shared_from_this(), engine_->shared_from_this()});
+        t_batch.List(shared_from_this(), engine_->shared_from_this());
       }
       // Large posts do not count: each is already a transfer long enough
       // for the peer to work on as it arrives, and early transmits of them
@@ -264,7 +276,7 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
               ? batch_posts_.load(std::memory_order_relaxed)
               : batch_posts_.fetch_add(1, std::memory_order_relaxed) + 1;
       const uint32_t at = early_tx_at_.load(std::memory_order_relaxed);
-      if (n >= at) {
+      if (n >= at && t_batch.EarlyTx()) {
         // Transmits now; the QP stays on the batch's list (a later post
         // lists it again: flushing twice sends nothing twice).
         FlushDeferred();
@@ -326,7 +338,7 @@ bool QpCore::FlushDeferred(bool may_hold) {
 void QpCore::DeferTx(std::shared_ptr<Engine> engine) {
   if (t_batch.depth > 0) {
     if (!deferred_.exchange(true)) {
-      t_batch.qps.push_back(DeferredQp{shared_from_this(), std::move(engine)});
+      t_batch.List(shared_from_this(), std::move(engine));
     }
     return;
   }
@@ -364,6 +376,8 @@ void EndPostBatch() {
     if (d.qp->FlushDeferred(outermost)) t_batch.held.push_back(std::move(d));
   }
   t_batch.qps.clear();
+  if (outermost) t_batch.several_before = t_batch.several;
+  t_batch.several = false;
 }
 
 void FlushHeldAcks() {
