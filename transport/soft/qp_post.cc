@@ -29,19 +29,24 @@ struct PostBatch {
   // Listed by their first post (QpCore::deferred_), again after an early
   // transmit.
   std::vector<DeferredQp> qps;
-  // More than one QP listed in this batch, or in the last outermost one
-  // (a reactor serving several connections): no early transmits
-  // (QpCore::PostSend).
+  // A reactor serving several connections makes no early transmits
+  // (QpCore::PostSend): `several` when this batch lists a second QP, or a
+  // QP other than the one the last batch with posts listed; then none for
+  // kQuietBatches batches with posts after one that was `several`. (The
+  // pointer is compared, never followed.)
+  static constexpr int kQuietBatches = 16;
   bool several = false;
-  bool several_before = false;
-  bool EarlyTx() const { return !several && !several_before; }
+  int cooldown = 0;
+  const QpCore* last_qp = nullptr;
+  bool EarlyTx() const { return !several && cooldown == 0; }
   // Held back by the last outermost batch (a pure ACK), still deferred_:
   // sent by the next EndPostBatch or FlushHeldAcks.
   std::vector<DeferredQp> held;
   std::vector<DeferredQp> flushing;  // `held` being sent (kept for capacity)
 
   void List(std::shared_ptr<QpCore> qp, std::shared_ptr<Engine> engine) {
-    if (!qps.empty() && qps.front().qp != qp) several = true;
+    const QpCore* first = qps.empty() ? last_qp : qps.front().qp.get();
+    if (first != nullptr && first != qp.get()) several = true;
     qps.push_back(DeferredQp{std::move(qp), std::move(engine)});
   }
 };
@@ -372,11 +377,19 @@ void EndPostBatch() {
   bool outermost = t_batch.depth == 0;
   if (!t_batch.held.empty()) FlushHeld();
   if (t_batch.qps.empty()) return;
+  const QpCore* first = t_batch.qps.front().qp.get();
   for (DeferredQp& d : t_batch.qps) {
     if (d.qp->FlushDeferred(outermost)) t_batch.held.push_back(std::move(d));
   }
   t_batch.qps.clear();
-  if (outermost) t_batch.several_before = t_batch.several;
+  if (outermost) {
+    t_batch.last_qp = first;
+    if (t_batch.several) {
+      t_batch.cooldown = PostBatch::kQuietBatches;
+    } else if (t_batch.cooldown > 0) {
+      --t_batch.cooldown;
+    }
+  }
   t_batch.several = false;
 }
 
