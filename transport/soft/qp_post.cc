@@ -291,16 +291,16 @@ absl::Status QpCore::PostSend(ibv_send_wr* wr, ibv_send_wr** bad) {
       // Large posts do not count: each is already a transfer long enough
       // for the peer to work on as it arrives, and early transmits of them
       // cost more than they gained (64 KiB echo, 0.87x).
-      const uint32_t n =
-          bytes > kEarlyTxMaxBytes
-              ? batch_posts_.load(std::memory_order_relaxed)
-              : batch_posts_.fetch_add(1, std::memory_order_relaxed) + 1;
-      const uint32_t at = early_tx_at_.load(std::memory_order_relaxed);
-      if (n >= at && t_batch.EarlyTx()) {
-        // Transmits now; the QP stays on the batch's list (a later post
-        // lists it again: flushing twice sends nothing twice).
-        FlushDeferred();
-        early_tx_at_.store(at * 2, std::memory_order_relaxed);
+      if (bytes <= kEarlyTxMaxBytes) {
+        const uint32_t n =
+            batch_posts_.fetch_add(1, std::memory_order_relaxed) + 1;
+        const uint32_t at = early_tx_at_.load(std::memory_order_relaxed);
+        if (n >= at && t_batch.EarlyTx()) {
+          // Transmits now; the QP stays on the batch's list (a later post
+          // lists it again: flushing twice sends nothing twice).
+          FlushDeferred();
+          early_tx_at_.store(at * 2, std::memory_order_relaxed);
+        }
       }
     } else {
       Kick();

@@ -1,8 +1,8 @@
 // Post batches (ProviderCq::BeginBatch / EndBatch; a reactor's loop
 // iteration): SENDs posted inside one are held back and transmitted at its
-// end by the posting thread (or early, after QpCore::kFirstEarlyTx posts), in order with what the progress thread is
-// transmitting for the same QP, with the progress thread taking over what a
-// full socket does not take.
+// end by the posting thread (or early, after QpCore::kFirstEarlyTx posts),
+// in order with what the progress thread is transmitting for the same QP,
+// with the progress thread taking over what a full socket does not take.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
