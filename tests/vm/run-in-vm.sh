@@ -231,15 +231,14 @@ boot() {  # $1: seconds left
 elapsed() { awk "BEGIN { printf \"%d\", $(date +%s.%N) - $t0 }"; }
 for attempt in 1 2; do
     boot $((TIMEOUT - $(elapsed)))
-    booted=0
     if [ "$attempt" = 1 ] && [ "$BOOT_TIMEOUT" -gt 0 ] && [ "$BOOT_TIMEOUT" -lt "$TIMEOUT" ]; then
         start=$SECONDS
-        while kill -0 "$QEMU_PID" 2>/dev/null; do
-            [ -e "$RUN/uptime.stage2" ] && { booted=1; break; }
-            ((SECONDS - start >= BOOT_TIMEOUT)) && break
+        while kill -0 "$QEMU_PID" 2>/dev/null && [ ! -e "$RUN/uptime.stage2" ] &&
+            ((SECONDS - start < BOOT_TIMEOUT)); do
             sleep 0.5
         done
-        if [ "$booted" = 0 ] && kill -0 "$QEMU_PID" 2>/dev/null && [ ! -e "$RUN/uptime.stage2" ]; then
+        # Still running without stage 2: the boot hung.
+        if kill -0 "$QEMU_PID" 2>/dev/null && [ ! -e "$RUN/uptime.stage2" ]; then
             echo "run-in-vm: the guest did not reach stage 2 in ${BOOT_TIMEOUT}s (VM_BOOT_TIMEOUT); booting once more. Console tail:" >&2
             tail -n 20 "$RUN/console.log" >&2 2>/dev/null
             kill -TERM "$QEMU_PID" 2>/dev/null  # timeout passes it on to qemu
