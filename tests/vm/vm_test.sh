@@ -6,6 +6,8 @@
 #   sh_test(name = "foo_rxe_test", srcs = ["//tests/vm:vm_test.sh"],
 #           args = ["rxe", "dummy", "$(location :foo_test)"],
 #           data = [":foo_test", "//tests/vm:harness"], tags = ["vm", "exclusive"])
+# With tests/vm/suites.sh as the binary, one boot runs several suites
+# (`suites.sh --suite <name> <binary> [args...] ...`; README.md).
 # The binary sees COVERBS_PROVIDER=verbs plus the COVERBS_VM_* variables of
 # vm-rdma-setup.sh (device, addresses), and GTEST_*/TEST_* from Bazel.
 # $TEST_TMPDIR, $TEST_UNDECLARED_OUTPUTS_DIR and the test log dir (test.xml,
