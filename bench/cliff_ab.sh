@@ -13,6 +13,7 @@
 # Environment: REPS [3], CALLS [5000], PAIRS [6], DEPTH [16],
 # PROVIDER [soft], ADDR [127.0.0.1], EAGER [8160], LANDED [8192].
 set -uo pipefail
+source "$(dirname "$0")/echo_run.sh"
 if [ $# -lt 1 ]; then sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 reps=${REPS:-3} calls=${CALLS:-5000} depth=${DEPTH:-16} pairs=${PAIRS:-6}
 provider=${PROVIDER:-soft} addr=${ADDR:-127.0.0.1}
@@ -25,15 +26,7 @@ trap '[ -n "$spid" ] && kill -9 $spid 2>/dev/null; rm -rf "$work"' EXIT
 echo "# $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg); $provider; $pairs pairs x $calls calls, depth $depth"
 for rep in $(seq 1 "$reps"); do
   for d in "$@"; do
-    rm -f "$work/port"
-    "$d/echo_server" --address="$addr" --port=0 --port_file="$work/port" --threads=1 \
-      --provider="$provider" >"$work/srv.log" 2>&1 &
-    spid=$!
-    for _ in $(seq 1 200); do [ -s "$work/port" ] && break; sleep 0.05; done
-    timeout 600 "$d/echo_client" --server="$addr" --port="$(cat "$work/port")" \
-      --provider="$provider" --sizes="$sizes" --calls="$calls" --concurrency="$depth" \
-      >"$work/cli.out" 2>&1 || tail -3 "$work/cli.out"
-    kill -TERM $spid; wait $spid 2>/dev/null; spid=""
+    echo_run "$d" "$sizes" "$work/cli.out"
     awk -v d="$d" -v r="$rep" -v e="$eager" -v l="$landed" '
       $1 ~ /^[0-9]+$/ && NF >= 9 { if ($3 != 0) print "ERRORS"; n[$1] += $2; t[$1] += $4 }
       END { a = n[e] / t[e]; b = n[l] / t[l];
