@@ -196,7 +196,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // SendRegistered above the eager limit (holds `b` for SendBig).
   Task<absl::Status> SendRegisteredBig(LocalBuffer b);
   // Above the eager limit: takes the send turn, then writes into a landing
-  // buffer the peer granted if one fits (SendLanded), else the rendezvous
+  // buffer the peer granted if one fits (BuildLanded), else the rendezvous
   // (SendLarge); both run in that turn, which keeps Send order.
   Task<absl::Status> SendBig(std::span<const std::span<const std::byte>> p,
                              const LocalBuffer* registered, uint64_t total);
@@ -204,9 +204,12 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
                                const LocalBuffer* registered,
                                transport::BufferPool::Buffer& buf);
-  Task<absl::Status> SendLanded(std::span<const std::span<const std::byte>> p,
-                                const LocalBuffer* registered, uint64_t total,
-                                transport::BufferPool::Buffer& buf);
+  // A landed message's WRITE and header (the oldest grant, spent here)
+  // from `src` (registered), with `buf` holding the header; the caller
+  // holds the send turn and a credit, and posts `batch`.
+  void BuildLanded(const LocalBuffer& src, uint64_t total,
+                   transport::BufferPool::Buffer& buf,
+                   transport::SendBatch& batch);
   // Rendezvous, sender side (rendezvous.cc): the payload's SGEs (`regs`
   // holds the registrations made for them), the RTS together with the
   // credit its completion will need, the CTS, the WRITE(s) and DONE. Each
@@ -473,6 +476,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // registration. Windows the peer invalidated wait here to be bound again.
   bool landing_windows_ = false;
   std::vector<transport::MemoryWindow> free_windows_;
+  // The Worker's staging buffers for landed messages (PoolOf, which keeps
+  // each pool for the Worker's life), looked up once: a map lookup per
+  // message otherwise.
+  transport::BufferPool* staging_pool_ = nullptr;
   // Sender side: the peer's grants, oldest first, and the sequence number
   // of grants_.front().
   std::deque<GrantPayload> grants_;

@@ -69,24 +69,11 @@ Task<absl::Status> ConnectionImpl::SendBig(
     buf = *std::move(got);
   }
   // Grants only ever arrive while we wait, so what is seen here holds.
-  if (!grants_.empty() && total <= GrantBytes(grants_.front())) {
-    co_return co_await SendLanded(parts, registered, total, *buf);
+  if (grants_.empty() || total > GrantBytes(grants_.front())) {
+    co_return co_await SendLarge(parts, registered, *buf);
   }
-  co_return co_await SendLarge(parts, registered, *buf);
-}
-
-Task<absl::StatusOr<transport::BufferPool::Buffer>>
-ConnectionImpl::GetLandingStaging() {
-  // SendLanded tried TryGet already: wait for one.
-  auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers);
-  if (!pool.ok()) co_return pool.status();
-  co_return co_await (*pool)->Get();
-}
-
-Task<absl::Status> ConnectionImpl::SendLanded(
-    std::span<const std::span<const std::byte>> parts,
-    const LocalBuffer* registered, uint64_t total,
-    transport::BufferPool::Buffer& buf) {
+  // A landed message, in this coroutine's frame: a second frame (and its
+  // resumption) per message was part of the landed path's extra cost.
   // We hold the send turn and a credit (the kLanded header spends it).
   std::optional<transport::BufferPool::Buffer> staging;
   LocalBuffer src;
@@ -94,24 +81,48 @@ Task<absl::Status> ConnectionImpl::SendLanded(
     src = *registered;
   } else {
     // A free staging buffer without a coroutine (the common case).
-    auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers);
-    if (pool.ok()) staging = (*pool)->TryGet();
-  }
-  if (registered == nullptr && !staging) {
-    // Staging buffers are held only by posted WRITEs, which complete:
-    // waiting for one in the turn cannot deadlock.
-    auto st = co_await GetLandingStaging();
-    if (!st.ok() || !status_.ok()) {
-      AbandonTurn();
-      co_return st.ok() ? CheckUp("send")
-                        : OpError("send (landing staging buffer)", st.status());
+    if (staging_pool_ != nullptr) staging = staging_pool_->TryGet();
+    if (!staging) {
+      // Staging buffers are held only by posted WRITEs, which complete:
+      // waiting for one in the turn cannot deadlock.
+      auto st = co_await GetLandingStaging();
+      if (!st.ok() || !status_.ok()) {
+        AbandonTurn();
+        co_return st.ok()
+            ? CheckUp("send")
+            : OpError("send (landing staging buffer)", st.status());
+      }
+      staging.emplace(std::move(*st));
     }
-    staging.emplace(std::move(*st));
-  }
-  if (staging) {
     CopyParts(staging->data(), parts);
     src = staging->Local(static_cast<uint32_t>(total));
   }
+  transport::SendBatch batch;
+  BuildLanded(src, total, *buf, batch);
+  send_turn_.Release(1);
+  auto wc = co_await qp_->PostBatch(batch);
+  if (!wc.ok()) co_return OpError("send (landing write)", wc.status());
+  ++stats_.landed_sent;
+  ++stats_.messages_sent;
+  stats_.bytes_sent += total;
+  co_return absl::OkStatus();
+}
+
+Task<absl::StatusOr<transport::BufferPool::Buffer>>
+ConnectionImpl::GetLandingStaging() {
+  // SendBig tried TryGet already (or the pool does not exist yet): wait for
+  // one.
+  if (staging_pool_ == nullptr) {
+    auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers);
+    if (!pool.ok()) co_return pool.status();
+    staging_pool_ = *pool;
+  }
+  co_return co_await staging_pool_->Get();
+}
+
+void ConnectionImpl::BuildLanded(const LocalBuffer& src, uint64_t total,
+                                 transport::BufferPool::Buffer& buf,
+                                 transport::SendBatch& batch) {
   GrantPayload g = grants_.front();
   grants_.pop_front();
   uint32_t seq = grant_seq_++;
@@ -128,7 +139,6 @@ Task<absl::Status> ConnectionImpl::SendLanded(
   std::memcpy(buf.data(), &h, kHeaderSize);
   std::memcpy(buf.data() + kHeaderSize,
               static_cast<const std::byte*>(src.addr) + written, tail);
-  transport::SendBatch batch;
   batch.AddWrite(
       LocalBuffer{src.addr, static_cast<uint32_t>(written), src.lkey},
       RemoteRegion{g.addr, written, g.rkey});
@@ -139,13 +149,6 @@ Task<absl::Status> ConnectionImpl::SendLanded(
   } else {
     batch.AddSend(buf.Local(kHeaderSize + tail));
   }
-  send_turn_.Release(1);
-  auto wc = co_await qp_->PostBatch(batch);
-  if (!wc.ok()) co_return OpError("send (landing write)", wc.status());
-  ++stats_.landed_sent;
-  ++stats_.messages_sent;
-  stats_.bytes_sent += total;
-  co_return absl::OkStatus();
 }
 
 uint32_t ConnectionImpl::LandedTail(uint64_t total, size_t buf_size) const {

@@ -308,6 +308,48 @@ TEST_P(LandingTest, RunningOutOfGrantsFallsBackToTheRendezvous) {
   }(this));
 }
 
+TEST_P(LandingTest, LandedSendsBeyondTheWorkersStagingBuffersWaitForOne) {
+  Run([](LandingTest* t) -> Task<void> {
+    // Three connections of one client Worker, each holding all its grants,
+    // send as many landed messages as they have grants, all at once: three
+    // times the Worker's staging buffers (as many as one connection's
+    // grants). The first connection's sends take them all; each later
+    // connection's first send then waits, holding its send turn, for a
+    // buffer that a completed WRITE gives back (checked: 3 such waits).
+    // Every message lands, intact and in order.
+    const size_t all = ConnectionOptions().landing_buffers;
+    std::vector<Pair> pairs;
+    for (int i = 0; i < 3; ++i) {
+      auto p = co_await t->MakePair();
+      CO_ASSERT_OK(p);
+      CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get(), all));
+      pairs.push_back(*std::move(p));
+    }
+    int failures = 0;
+    std::vector<size_t> medium = {30000};
+    WaitGroup wg;
+    for (Pair& p : pairs) {
+      wg.Add();
+      auto one = [](Reactor* r, Connection* from, Connection* to,
+                    std::vector<size_t> sizes, int n, int* failures,
+                    WaitGroup* wg) -> Task<void> {
+        co_await SendAllAtOnce(r, from, to, n, sizes, failures);
+        wg->Done();
+      };
+      t->reactor_->Spawn(one(t->reactor_.get(), p.client.get(), p.server.get(),
+                             medium, static_cast<int>(all), &failures, &wg));
+    }
+    co_await wg.Wait();
+    EXPECT_EQ(failures, 0);
+    for (Pair& p : pairs) {
+      EXPECT_EQ(p.client->stats().landed_sent, all);
+      EXPECT_EQ(p.server->stats().landed_received, all);
+      EXPECT_EQ(p.server->stats().messages_received, all + 1);
+      co_await Close(p);
+    }
+  }(this));
+}
+
 TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
   Run([](LandingTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
