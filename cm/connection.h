@@ -147,6 +147,10 @@ class ConnectionImpl;
 class ConnectionSetup;
 class ConnectionTestPeer;
 class MessageBuffer;  // owner of a received message's memory
+struct LandedSend;    // a landed Send's work requests and staging buffer
+struct LandedSendDeleter {
+  void operator()(LandedSend* l) const;
+};
 }  // namespace internal
 
 // A received message. Owns its registered receive buffer (or rendezvous
@@ -447,10 +451,10 @@ class Connection::SendAwaiter {
 
   enum class Step { kNone, kPosted, kDone, kSlow };
   // Posts the message with `h` (may be null: PostNow) as the waiter when it
-  // goes eagerly at once (kPosted, or kDone when the post failed at once);
-  // else starts the slow path's Task in slow_ (kSlow): SendParts or
-  // SendRegistered, which wait for the turn, a credit or a buffer, or take
-  // the rendezvous.
+  // goes at once, eagerly or into a landing grant (kPosted, or kDone when
+  // the post failed at once); else starts the slow path's Task in slow_
+  // (kSlow): SendParts or SendRegistered, which wait for the turn, a credit
+  // or a buffer, or take the rendezvous.
   Step Start(std::coroutine_handle<> h);
 
   internal::ConnectionImpl* impl_;
@@ -465,6 +469,10 @@ class Connection::SendAwaiter {
   // Declared before op_: destroyed after it, so the buffer stays ours until
   // the operation completed (~OpBase waits for that).
   std::optional<transport::BufferPool::Buffer> buf_;
+  // A message posted at once into a landing buffer the peer granted: its
+  // WRITE and header (the op posts them, maybe later under back-pressure)
+  // and the staging buffer the WRITE reads; also destroyed after op_.
+  std::unique_ptr<internal::LandedSend, internal::LandedSendDeleter> landed_;
   std::optional<transport::QueuePair::Op> op_;
 };
 

@@ -30,6 +30,7 @@
 #include "cm/wire.h"
 #include "cm/worker.h"
 #include "cm/worker_shared.h"
+#include "core/frame_pool.h"
 #include "core/sync.h"
 #include "core/task.h"
 #include "transport/connection_link.h"
@@ -108,6 +109,21 @@ uint64_t NextConnectionId();
 // The cause a failed work request's verbs status (in `s`) stands for.
 CloseCause CauseOfWc(const absl::Status& s);
 CloseCause CauseOfWcStatus(ibv_wc_status wc);
+
+// A landed message that SendAwaiter posted without a coroutine
+// (TryStartLanded): its WRITE and header, and the staging buffer the WRITE
+// reads, held until the send completes. From the frame pool: one per
+// landed Send.
+struct LandedSend {
+  transport::SendBatch batch;
+  std::optional<transport::BufferPool::Buffer> staging;
+  static void* operator new(size_t n) {
+    return coverbs::internal::AllocFrame(n);
+  }
+  static void operator delete(void* p, size_t n) noexcept {
+    coverbs::internal::FreeFrame(p, n);
+  }
+};
 
 class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  public:
@@ -204,6 +220,15 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::Status> SendLarge(std::span<const std::span<const std::byte>> p,
                                const LocalBuffer* registered,
                                transport::BufferPool::Buffer& buf);
+  // SendAwaiter's landed fast path: when the message fits the oldest grant
+  // and a staging buffer (unless `registered`), the send turn, a credit and
+  // a header buffer (into `buf`) are all free now, takes them and builds
+  // the message (BuildLanded); the caller releases the turn and posts the
+  // batch. Null (nothing taken) otherwise: SendBig then waits for them.
+  std::unique_ptr<LandedSend, LandedSendDeleter> TryStartLanded(
+      std::span<const std::span<const std::byte>> parts,
+      const LocalBuffer* registered, uint64_t total,
+      std::optional<transport::BufferPool::Buffer>& buf);
   // A landed message's WRITE and header (the oldest grant, spent here)
   // from `src` (registered), with `buf` holding the header; the caller
   // holds the send turn and a credit, and posts `batch`.

@@ -100,7 +100,10 @@ Task<absl::Status> ConnectionImpl::SendBig(
   transport::SendBatch batch;
   BuildLanded(src, total, *buf, batch);
   send_turn_.Release(1);
-  auto wc = co_await qp_->PostBatch(batch);
+  // Once posted, the message goes: a cancelled Send waits for the
+  // completion rather than moving the QP to the error state, which would
+  // fail the connection for everyone (as SendSmall).
+  auto wc = co_await qp_->PostBatch(batch, /*ignore_stop=*/true);
   if (!wc.ok()) co_return OpError("send (landing write)", wc.status());
   ++stats_.landed_sent;
   ++stats_.messages_sent;
@@ -118,6 +121,39 @@ ConnectionImpl::GetLandingStaging() {
     staging_pool_ = *pool;
   }
   co_return co_await staging_pool_->Get();
+}
+
+void LandedSendDeleter::operator()(LandedSend* l) const { delete l; }
+
+std::unique_ptr<LandedSend, LandedSendDeleter> ConnectionImpl::TryStartLanded(
+    std::span<const std::span<const std::byte>> parts,
+    const LocalBuffer* registered, uint64_t total,
+    std::optional<transport::BufferPool::Buffer>& buf) {
+  if (total > peer_max_ || grants_.empty() ||
+      total > GrantBytes(grants_.front())) {
+    return nullptr;
+  }
+  std::optional<transport::BufferPool::Buffer> staging;
+  if (registered == nullptr) {
+    // (Before the first landed message the pool is not looked up yet:
+    // SendBig does it.)
+    if (staging_pool_ == nullptr) return nullptr;
+    staging = staging_pool_->TryGet();
+    if (!staging) return nullptr;
+  }
+  // Last, as it takes the turn (only when nobody waits for it: FIFO).
+  if (!TryAcquireSend(buf)) return nullptr;
+  std::unique_ptr<LandedSend, LandedSendDeleter> l(new LandedSend());
+  LocalBuffer src;
+  if (staging) {
+    CopyParts(staging->data(), parts);
+    src = staging->Local(static_cast<uint32_t>(total));
+    l->staging = std::move(staging);
+  } else {
+    src = *registered;
+  }
+  BuildLanded(src, total, *buf, l->batch);
+  return l;
 }
 
 void ConnectionImpl::BuildLanded(const LocalBuffer& src, uint64_t total,

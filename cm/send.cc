@@ -280,6 +280,14 @@ struct MakeSendOp {
     return qp->Send(std::span<const transport::LocalBuffer>(sge, n), so);
   }
 };
+struct MakeBatchOp {
+  transport::QueuePair* qp;
+  transport::SendBatch* batch;
+  // As SendSmall's ignore_stop: once posted, the message goes.
+  operator transport::QueuePair::Op() const {
+    return qp->PostBatch(*batch, /*ignore_stop=*/true);
+  }
+};
 }  // namespace
 
 Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
@@ -297,12 +305,26 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
                               registered_ ? &reg_ : nullptr);
     if (inline_.has_value()) return Step::kDone;
   }
+  total_ = static_cast<uint32_t>(total);
+  if (!eager) {
+    // SendBig's landed path without its coroutine frame, when a grant, a
+    // staging buffer, the turn, a credit and a header buffer are all free.
+    landed_ =
+        c.TryStartLanded(parts_, registered_ ? &reg_ : nullptr, total, buf_);
+    if (landed_ == nullptr) {
+      slow_ = registered_ ? c.SendRegistered(reg_) : c.SendParts(parts_);
+      return Step::kSlow;
+    }
+    c.send_turn_.Release(1);  // posted in order: nothing runs before the post
+    op_.emplace(MakeBatchOp{c.qp_.get(), &landed_->batch});
+    if (!h) return op_->Post() ? Step::kPosted : Step::kDone;  // PostNow
+    return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
+  }
   // SendSmall's fast path (TryAcquireSend checks what CheckUp would).
-  if (!eager || !c.TryAcquireSend(buf_)) {
+  if (!c.TryAcquireSend(buf_)) {
     slow_ = registered_ ? c.SendRegistered(reg_) : c.SendParts(parts_);
     return Step::kSlow;
   }
-  total_ = static_cast<uint32_t>(total);
   std::byte* d = buf_->data();
   // Registered: parts_ is empty, the header announces reg_'s bytes.
   size_t len = c.WriteFrame(d, internal::kData, total_, 0, parts_);
@@ -335,7 +357,10 @@ absl::Status Connection::SendAwaiter::await_resume() {
   if (inline_.has_value()) return *std::move(inline_);
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
-  if (!s.ok()) return impl_->OpError("send", s);
+  if (!s.ok()) {
+    return impl_->OpError(landed_ ? "send (landing write)" : "send", s);
+  }
+  if (landed_) ++impl_->stats_.landed_sent;
   ++impl_->stats_.messages_sent;
   impl_->stats_.bytes_sent += total_;
   return absl::OkStatus();

@@ -392,7 +392,9 @@ class QueuePair final : private WrOwner {
 
   // --- Selective signaling: one post call, one completion for the batch.
   // Yields the last WR's completion, or the first error in the batch.
-  Op PostBatch(SendBatch& batch);
+  // `ignore_stop` as in SendOptions: once posted, the batch waits for its
+  // completion whatever the awaiting coroutine's stop token says.
+  Op PostBatch(SendBatch& batch, bool ignore_stop = false);
 
   // --- Receives that complete into a handler instead of a coroutine (the
   // messaging layer pre-posts its receive ring this way). `wr` must stay

@@ -220,10 +220,11 @@ QueuePair::Op QueuePair::FetchAdd(LocalBuffer result, RemoteRegion remote,
                        IBV_WR_ATOMIC_FETCH_AND_ADD, result, remote, add, 0));
 }
 
-QueuePair::Op QueuePair::PostBatch(SendBatch& batch) {
+QueuePair::Op QueuePair::PostBatch(SendBatch& batch, bool ignore_stop) {
   internal_qp::OpSpec spec;
   spec.name = "batch";
   spec.batch = &batch;
+  spec.cancellable = !ignore_stop;
   if (batch.size() == 0) {
     spec.error = absl::InvalidArgumentError("PostBatch: the batch is empty");
   }

@@ -350,6 +350,48 @@ TEST_P(LandingTest, LandedSendsBeyondTheWorkersStagingBuffersWaitForOne) {
   }(this));
 }
 
+// As for an eager Send (cm_messaging_test): a landed Send cancelled once its
+// WRITE and header are posted still completes, and the connection stays up.
+TEST_P(LandingTest, CancellingAPostedLandedSendKeepsTheConnection) {
+  Run([](LandingTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    CO_ASSERT_OK(co_await t->WarmUp(p->client.get(), p->server.get()));
+    auto send = [](Connection* c, std::vector<std::byte> b, absl::Status* out,
+                   Event* done) -> Task<void> {
+      *out = co_await c->Send(b);
+      done->Set();
+    };
+    // The connection's first landed message goes through SendBig (which
+    // looks the staging buffers up): it runs first -- takes its turn,
+    // credit and buffers and posts -- and the stop comes while it waits for
+    // its completion (this failed the connection before PostBatch took
+    // ignore_stop). The next one is posted by the SendAwaiter itself, which
+    // waits for nothing before the post (as an eager Send): a stop
+    // requested before it even ran does not keep it from going.
+    for (uint32_t i = 1; i <= 2; ++i) {
+      std::stop_source stop;
+      absl::Status sent = absl::UnknownError("not run");
+      Event done;
+      if (i == 2) stop.request_stop();
+      t->reactor_->Spawn(
+          send(p->client.get(), Numbered(30000, i), &sent, &done),
+          stop.get_token());
+      co_await t->reactor_->Yield();
+      stop.request_stop();
+      CO_ASSERT_OK(co_await done.Wait());
+      EXPECT_TRUE(sent.ok()) << i << ": " << sent;
+      EXPECT_TRUE(p->client->status().ok()) << i << ": " << p->client->status();
+      auto m = co_await p->server->Recv();
+      CO_ASSERT_OK(m);
+      EXPECT_TRUE(IsNumbered(m->data(), 30000, i)) << i;
+    }
+    EXPECT_EQ(p->client->stats().landed_sent, 2u);
+    CO_ASSERT_OK(co_await Deliver(p->client.get(), p->server.get(), 30000, 3));
+    co_await Close(*p);
+  }(this));
+}
+
 TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
   Run([](LandingTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
