@@ -32,9 +32,15 @@ Task<absl::Status> ConnectionImpl::SendLarge(
   pr.cookie = next_cookie_++;
   s = co_await PostRts(pr, total, buf);
   if (!s.ok()) co_return s;
+  // Until the CTS came, a cancelled Send abandons the rendezvous (AwaitCts
+  // tells the receiver). From then on the receiver holds a buffer and
+  // delivers nothing after this message until its DONE: the rest runs to
+  // its end whatever the caller's stop token says (bounded by the
+  // transport, like any posted send).
   s = co_await AwaitCts(pr, total);
   if (!s.ok()) co_return s;
-  co_return co_await WriteRendezvous(pr, sges, total);
+  co_return co_await coverbs::internal::Unstoppable(
+      WriteRendezvous(pr, sges, total));
 }
 
 absl::Status ConnectionImpl::PayloadSges(
@@ -94,6 +100,9 @@ Task<absl::Status> ConnectionImpl::PostRts(PendingRts& pr, uint64_t total,
   pending_rts_.push_back(&pr);
   transport::SendOptions so;
   so.inline_data = kHeaderSize <= qp_->max_inline_data();
+  // Once posted, the RTS goes: cancelling it would move the QP to the
+  // error state and fail the connection for everyone (as SendSmall).
+  so.ignore_stop = true;
   send_turn_.Release(1);
   auto wc = co_await qp_->Send(buf.Local(kHeaderSize), so);
   if (!wc.ok()) {

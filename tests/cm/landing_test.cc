@@ -392,6 +392,50 @@ TEST_P(LandingTest, CancellingAPostedLandedSendKeepsTheConnection) {
   }(this));
 }
 
+// A rendezvous Send (above landing_buffer_size) cancelled at whatever step
+// it has reached -- the RTS posted, waiting for the CTS, the WRITE and DONE
+// posted -- ends with OK or Cancelled, and the connection stays up: a
+// posted work request is never cancelled (that moved the QP to the error
+// state), only the wait for the CTS is, which tells the receiver.
+TEST_P(LandingTest, CancellingARendezvousSendAtAnyStepKeepsTheConnection) {
+  Run([](LandingTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    auto send = [](Connection* c, std::vector<std::byte> b, absl::Status* out,
+                   Event* done) -> Task<void> {
+      *out = co_await c->Send(b);
+      done->Set();
+    };
+    uint32_t seq = 1;
+    for (int yields = 0; yields <= 8; ++yields) {
+      std::stop_source stop;
+      absl::Status sent = absl::UnknownError("not run");
+      Event done;
+      t->reactor_->Spawn(
+          send(p->client.get(), Numbered(kAbove, seq), &sent, &done),
+          stop.get_token());
+      for (int i = 0; i < yields; ++i) co_await t->reactor_->Yield();
+      stop.request_stop();
+      CO_ASSERT_OK(co_await done.Wait());
+      EXPECT_TRUE(sent.ok() || absl::IsCancelled(sent)) << yields << ": "
+                                                         << sent;
+      EXPECT_TRUE(p->client->status().ok())
+          << yields << ": " << p->client->status();
+      if (sent.ok()) {
+        auto m = co_await p->server->Recv();
+        CO_ASSERT_OK(m);
+        EXPECT_TRUE(IsNumbered(m->data(), kAbove, seq)) << yields;
+      }
+      ++seq;
+      // The connection still carries messages both ways.
+      CO_ASSERT_OK(co_await Deliver(p->client.get(), p->server.get(), 64, seq));
+      CO_ASSERT_OK(co_await Deliver(p->server.get(), p->client.get(), 64, seq));
+      ++seq;
+    }
+    co_await Close(*p);
+  }(this));
+}
+
 TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
   Run([](LandingTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
