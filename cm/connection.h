@@ -231,11 +231,13 @@ class Connection {
   // completes.
   // Cancelling (the awaiting coroutine's stop token) a Send still waiting
   // for its turn, a credit or a buffer ends it with Cancelled, nothing
-  // sent. Once an eager message is posted it goes anyway -- a NIC cannot
-  // take a work request back, and failing the QP to withdraw it would end
-  // the connection for every caller -- so the Send waits for its
-  // completion and reports it. A cancelled rendezvous tells the receiver
-  // to drop it (cm/README.md).
+  // sent. Once a message is posted (eager, landed, or a rendezvous's
+  // request) it goes anyway -- a NIC cannot take a work request back, and
+  // failing the QP to withdraw it would end the connection for every
+  // caller -- so the Send waits for its completion and reports it. A
+  // rendezvous cancelled while it waits for the receiver's answer tells
+  // the receiver to drop it (cm/README.md); once answered, it runs to its
+  // end.
   // Each Send returns a SendAwaiter (below), not a Task: a small message
   // whose send turn, credit and buffer are free at once is posted from the
   // awaiting coroutine's frame, without a coroutine frame of its own (its
@@ -316,6 +318,11 @@ class Connection {
   // a remote access error. NotFound for a token this connection did not
   // expose (or already revoked).
   absl::Status Revoke(const transport::RemoteRegion& token);
+  // RDMA READ / WRITE between `local` and a peer's token. These and the
+  // atomics below run to their completion whatever the awaiting
+  // coroutine's stop token says: a NIC cannot take a posted work request
+  // back, and withdrawing it would fail the QP and end the connection for
+  // every caller (the transport's retry timer bounds the wait).
   Task<absl::Status> Read(transport::LocalBuffer local,
                           transport::RemoteRegion remote);
   Task<absl::Status> Write(transport::LocalBuffer local,

@@ -469,5 +469,68 @@ TEST_P(CmTest, CancellingAPostedSendKeepsTheConnection) {
   }(this));
 }
 
+// The same for one-sided operations: a READ, WRITE or atomic cancelled
+// once posted runs to its completion and reports it; the connection stays
+// up for every other caller.
+TEST_P(CmTest, CancellingPostedOneSidedOpsKeepsTheConnection) {
+  Run([](CmTest* t) -> Task<void> {
+    auto p = co_await t->MakePair();
+    CO_ASSERT_OK(p);
+    std::vector<std::byte> region = Pattern(65536, 5);
+    const bool atomics = t->device_->caps().atomics;
+    int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+                 IBV_ACCESS_REMOTE_WRITE |
+                 (atomics ? IBV_ACCESS_REMOTE_ATOMIC : 0);
+    auto mr =
+        t->server_ctx_->pd().Register(region.data(), region.size(), access);
+    CO_ASSERT_OK(mr);
+    const cm::ExposeScope scope = t->device_->caps().memory_windows
+                                      ? cm::ExposeScope::kConnection
+                                      : cm::ExposeScope::kProtectionDomain;
+    auto tok = p->server->Expose(*mr, access & ~IBV_ACCESS_LOCAL_WRITE, 0,
+                                 transport::MemoryRegion::npos, scope);
+    CO_ASSERT_OK(tok);
+    std::vector<std::byte> local(65536);
+    // 0: Read, 1: Write, 2: FetchAdd (on the region's first 8 bytes).
+    auto op = [](Connection* c, int kind, std::span<std::byte> buf,
+                 transport::RemoteRegion r, absl::Status* out,
+                 Event* done) -> Task<void> {
+      if (kind == 0) {
+        *out = co_await c->Read(buf, r);
+      } else if (kind == 1) {
+        *out = co_await c->Write(std::span<const std::byte>(buf), r);
+      } else {
+        auto v = co_await c->FetchAdd(r.Slice(0, 8), 1);
+        *out = v.status();
+      }
+      done->Set();
+    };
+    for (int kind = 0; kind < (atomics ? 3 : 2); ++kind) {
+      std::stop_source stop;
+      absl::Status result = absl::UnknownError("not run");
+      Event done;
+      t->reactor_->Spawn(op(p->client.get(), kind, std::span(local), *tok,
+                            &result, &done),
+                         stop.get_token());
+      co_await t->reactor_->Yield();
+      stop.request_stop();
+      CO_ASSERT_OK(co_await done.Wait());
+      EXPECT_TRUE(result.ok() || absl::IsCancelled(result))
+          << kind << ": " << result;
+      EXPECT_TRUE(p->client->status().ok())
+          << kind << ": " << p->client->status();
+      if (kind == 0 && result.ok()) EXPECT_TRUE(Same(local, region));
+      // Messages still go both ways.
+      CO_ASSERT_OK(co_await p->client->Send(Pattern(64, 1)));
+      auto m = co_await p->server->Recv();
+      CO_ASSERT_OK(m);
+      CO_ASSERT_OK(co_await p->server->Send(Pattern(64, 2)));
+      auto back = co_await p->client->Recv();
+      CO_ASSERT_OK(back);
+    }
+    co_await Close(*p);
+  }(this));
+}
+
 }  // namespace
 }  // namespace coverbs::cm
