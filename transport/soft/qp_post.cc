@@ -14,9 +14,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "transport/soft/early_tx_gate.h"
 #include "transport/soft/engine.h"
 #include "transport/soft/qp_core.h"
 #include "transport/soft/qp_internal.h"
@@ -46,21 +48,9 @@ struct PostBatch {
   const QpCore* last_qp = nullptr;
   bool EarlyTx() { return !several && cooldown == 0 && MayOverlap(); }
 
-  // An early transmit pays only while the peer can work on what it sends,
-  // which needs a CPU for the peer. A process allowed on one CPU (taskset,
-  // a 1-CPU container) never has one (echo with both processes on one
-  // core: 0.53x at 64 B with early transmits); nor, for the moment, does a
-  // host whose CPUs other processes keep busy (one core of two held by
-  // another process: 0.50x at 64 B, 0.58x at 4 KiB; the extra sendmsgs and
-  // sleeps cost the CPU the peer needed). So every kSampleEvery-th check
-  // reads the host's runnable tasks (/proc/loadavg, "R/T"); a sample is
-  // busy when they outnumber the CPUs this process may use (the sampling
-  // thread counts itself), and early transmits stop while a quarter or
-  // more of the recent samples (an average decaying by 1/4 per sample)
-  // were busy. COVERBS_SOFT_EARLY_TX=on|off forces the decision (tests).
-  static constexpr uint32_t kSampleEvery = 64;
-  uint32_t checks = 0;
-  uint32_t busy_score = 0;  // 0..64: recent busy samples, decaying
+  // early_tx_gate.h; COVERBS_SOFT_EARLY_TX=on|off forces the decision
+  // (tests).
+  EarlyTxGate gate;
   bool MayOverlap() {
     static const int forced = [] {
       const char* v = std::getenv("COVERBS_SOFT_EARLY_TX");
@@ -74,28 +64,17 @@ struct PostBatch {
       cpu_set_t set;
       return sched_getaffinity(0, sizeof(set), &set) != 0 ? 2 : CPU_COUNT(&set);
     }();
-    if (cpus <= 1) return false;
-    if (checks++ % kSampleEvery == 0) {
-      const uint32_t busy = RunnableTasks() > cpus ? 64 : 0;
-      busy_score = (busy_score * 3 + busy) / 4;
-    }
-    return busy_score < 16;
+    return gate.MayOverlap(cpus, RunnableTasks);
   }
-  // Runnable tasks on the host now (the 4th field of /proc/loadavg), or 0
-  // when it cannot be read (then no sample is busy).
+  // Runnable tasks on the host now, from /proc/loadavg (one pread on an fd
+  // kept open), or 0 when it cannot be read.
   static int RunnableTasks() {
     static const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
     char buf[128];
-    const ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+    const ssize_t n = pread(fd, buf, sizeof(buf), 0);
     if (n <= 0) return 0;
-    buf[n] = '\0';
-    // "0.52 0.58 0.59 3/512 12345": the number after the third space.
-    const char* p = buf;
-    for (int spaces = 0; *p != '\0' && spaces < 3; ++p) {
-      if (*p == ' ') ++spaces;
-    }
-    return std::atoi(p);
+    return ParseLoadavgRunnable(std::string_view(buf, static_cast<size_t>(n)));
   }
   // Held back by the last outermost batch (a pure ACK), still deferred_:
   // sent by the next EndPostBatch or FlushHeldAcks.
