@@ -24,43 +24,38 @@ Connection::~Connection() {
 }
 
 std::optional<Message> Connection::TryRecv() { return impl_->TryRecv(); }
-namespace {
 // One-sided operations run to their completion whatever the caller's stop
-// token says: a posted work request cannot be taken back from the NIC, and
-// cancelling it would move the QP to the error state -- the connection's
-// end for every caller (the transport's retry timer bounds the wait).
-template <typename T>
-Task<T> ToCompletion(Task<T> t) {
-  t.SetStopToken(std::stop_token{});
-  return t;
-}
-}  // namespace
+// token says (Unstoppable): a posted work request cannot be taken back from
+// the NIC, and cancelling it would move the QP to the error state -- the
+// connection's end for every caller (the transport's retry timer bounds the
+// wait).
+using ::coverbs::internal::Unstoppable;
 
 Task<absl::Status> Connection::Read(transport::LocalBuffer local,
                                     transport::RemoteRegion remote) {
-  return ToCompletion(impl_->OneSided(true, local, remote));
+  return Unstoppable(impl_->OneSided(true, local, remote));
 }
 Task<absl::Status> Connection::Write(transport::LocalBuffer local,
                                      transport::RemoteRegion remote) {
-  return ToCompletion(impl_->OneSided(false, local, remote));
+  return Unstoppable(impl_->OneSided(false, local, remote));
 }
 Task<absl::Status> Connection::Read(std::span<std::byte> local,
                                     transport::RemoteRegion remote) {
-  return ToCompletion(
+  return Unstoppable(
       impl_->OneSidedPlain(true, local.data(), local.size(), remote));
 }
 Task<absl::Status> Connection::Write(std::span<const std::byte> local,
                                      transport::RemoteRegion remote) {
-  return ToCompletion(
+  return Unstoppable(
       impl_->OneSidedPlain(false, local.data(), local.size(), remote));
 }
 Task<absl::StatusOr<uint64_t>> Connection::FetchAdd(
     transport::RemoteRegion remote, uint64_t add) {
-  return ToCompletion(impl_->Atomic(false, remote, add, 0));
+  return Unstoppable(impl_->Atomic(false, remote, add, 0));
 }
 Task<absl::StatusOr<uint64_t>> Connection::CompareSwap(
     transport::RemoteRegion remote, uint64_t compare, uint64_t swap) {
-  return ToCompletion(impl_->Atomic(true, remote, compare, swap));
+  return Unstoppable(impl_->Atomic(true, remote, compare, swap));
 }
 namespace {
 // The state stays alive until Close ends, even when another caller's Close

@@ -229,10 +229,17 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
       std::span<const std::span<const std::byte>> parts,
       const LocalBuffer* registered, uint64_t total,
       std::optional<transport::BufferPool::Buffer>& buf);
-  // A landed message's WRITE and header (the oldest grant, spent here)
-  // from `src` (registered), with `buf` holding the header; the caller
-  // holds the send turn and a credit, and posts `batch`.
-  void BuildLanded(const LocalBuffer& src, uint64_t total,
+  // Whether a message of `total` bytes fits the oldest grant we hold.
+  bool FitsGrant(uint64_t total) const {
+    return !grants_.empty() && total <= GrantBytes(grants_.front());
+  }
+  // A landed message's WRITE and header (the oldest grant, spent here):
+  // the payload from `registered`, else `parts` copied into `staging`;
+  // `buf` holds the header. The caller holds the send turn and a credit,
+  // and posts `batch`.
+  void BuildLanded(std::span<const std::span<const std::byte>> parts,
+                   const LocalBuffer* registered, uint64_t total,
+                   transport::BufferPool::Buffer* staging,
                    transport::BufferPool::Buffer& buf,
                    transport::SendBatch& batch);
   // Rendezvous, sender side (rendezvous.cc): the payload's SGEs (`regs`

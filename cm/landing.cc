@@ -69,17 +69,12 @@ Task<absl::Status> ConnectionImpl::SendBig(
     buf = *std::move(got);
   }
   // Grants only ever arrive while we wait, so what is seen here holds.
-  if (grants_.empty() || total > GrantBytes(grants_.front())) {
-    co_return co_await SendLarge(parts, registered, *buf);
-  }
+  if (!FitsGrant(total)) co_return co_await SendLarge(parts, registered, *buf);
   // A landed message, in this coroutine's frame: a second frame (and its
   // resumption) per message was part of the landed path's extra cost.
   // We hold the send turn and a credit (the kLanded header spends it).
   std::optional<transport::BufferPool::Buffer> staging;
-  LocalBuffer src;
-  if (registered != nullptr) {
-    src = *registered;
-  } else {
+  if (registered == nullptr) {
     // A free staging buffer without a coroutine (the common case).
     if (staging_pool_ != nullptr) staging = staging_pool_->TryGet();
     if (!staging) {
@@ -94,11 +89,10 @@ Task<absl::Status> ConnectionImpl::SendBig(
       }
       staging.emplace(std::move(*st));
     }
-    CopyParts(staging->data(), parts);
-    src = staging->Local(static_cast<uint32_t>(total));
   }
   transport::SendBatch batch;
-  BuildLanded(src, total, *buf, batch);
+  BuildLanded(parts, registered, total, staging ? &*staging : nullptr, *buf,
+              batch);
   send_turn_.Release(1);
   // Once posted, the message goes: a cancelled Send waits for the
   // completion rather than moving the QP to the error state, which would
@@ -129,10 +123,7 @@ std::unique_ptr<LandedSend, LandedSendDeleter> ConnectionImpl::TryStartLanded(
     std::span<const std::span<const std::byte>> parts,
     const LocalBuffer* registered, uint64_t total,
     std::optional<transport::BufferPool::Buffer>& buf) {
-  if (total > peer_max_ || grants_.empty() ||
-      total > GrantBytes(grants_.front())) {
-    return nullptr;
-  }
+  if (total > peer_max_ || !FitsGrant(total)) return nullptr;
   std::optional<transport::BufferPool::Buffer> staging;
   if (registered == nullptr) {
     // (Before the first landed message the pool is not looked up yet:
@@ -144,21 +135,24 @@ std::unique_ptr<LandedSend, LandedSendDeleter> ConnectionImpl::TryStartLanded(
   // Last, as it takes the turn (only when nobody waits for it: FIFO).
   if (!TryAcquireSend(buf)) return nullptr;
   std::unique_ptr<LandedSend, LandedSendDeleter> l(new LandedSend());
-  LocalBuffer src;
-  if (staging) {
-    CopyParts(staging->data(), parts);
-    src = staging->Local(static_cast<uint32_t>(total));
-    l->staging = std::move(staging);
-  } else {
-    src = *registered;
-  }
-  BuildLanded(src, total, *buf, l->batch);
+  l->staging = std::move(staging);
+  BuildLanded(parts, registered, total, l->staging ? &*l->staging : nullptr,
+              *buf, l->batch);
   return l;
 }
 
-void ConnectionImpl::BuildLanded(const LocalBuffer& src, uint64_t total,
-                                 transport::BufferPool::Buffer& buf,
-                                 transport::SendBatch& batch) {
+void ConnectionImpl::BuildLanded(
+    std::span<const std::span<const std::byte>> parts,
+    const LocalBuffer* registered, uint64_t total,
+    transport::BufferPool::Buffer* staging, transport::BufferPool::Buffer& buf,
+    transport::SendBatch& batch) {
+  LocalBuffer src;
+  if (registered != nullptr) {
+    src = *registered;
+  } else {
+    CopyParts(staging->data(), parts);
+    src = staging->Local(static_cast<uint32_t>(total));
+  }
   GrantPayload g = grants_.front();
   grants_.pop_front();
   uint32_t seq = grant_seq_++;

@@ -292,12 +292,14 @@ struct SwapStopToken {
   void await_resume() const noexcept {}
 };
 
-// Runs `t` with no stop token: teardown steps must finish even when the
-// coroutine doing them was asked to stop (they are bounded on their own).
+// Runs `t` with no stop token: teardown steps and posted work must finish
+// even when the coroutine doing them was asked to stop (they are bounded on
+// their own). `t` itself gets the empty token, so awaiting it does not
+// inherit the awaiter's: no frame of its own.
 template <typename T>
 Task<T> Unstoppable(Task<T> t) {
   t.SetStopToken(std::stop_token{});
-  co_return co_await std::move(t);
+  return t;
 }
 
 }  // namespace internal
