@@ -418,8 +418,11 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   transport::BufferPool* send_pool_ = nullptr;
   uint32_t send_lkey_ = 0;  // send_pool_'s
   // The Worker's pool of registered buffers of `size` bytes (shared by
-  // its connections; made with `count` buffers on first use).
-  absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count);
+  // its connections; made with `count` buffers on first use). `partly_used`:
+  // its buffers are mostly written in part, so its pages are not
+  // transparent huge pages (BufferPool::Options::transparent_hugepages).
+  absl::StatusOr<transport::BufferPool*> PoolOf(size_t size, size_t count,
+                                                bool partly_used = false);
 
   Worker& ctx_;
   std::unique_ptr<transport::QueuePair> qp_;

@@ -110,7 +110,10 @@ ConnectionImpl::GetLandingStaging() {
   // SendBig tried TryGet already (or the pool does not exist yet): wait for
   // one.
   if (staging_pool_ == nullptr) {
-    auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers);
+    // A staging buffer holds one medium message, usually far smaller than
+    // the buffer.
+    auto pool = PoolOf(options_.landing_buffer_size, kLandingStagingBuffers,
+                       /*partly_used=*/true);
     if (!pool.ok()) co_return pool.status();
     staging_pool_ = *pool;
   }

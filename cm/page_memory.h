@@ -15,7 +15,9 @@
 // reuse is bounded by the cache that keeps it.
 //
 // Thread-safe. The memory is zero-filled and untouched until written (no
-// page is resident before its first use).
+// page is resident before its first use). A mapping below 2 MiB is never
+// backed by transparent huge pages, so only the pages written become
+// resident (page_memory.cc says why).
 #ifndef COVERBS_CM_PAGE_MEMORY_H_
 #define COVERBS_CM_PAGE_MEMORY_H_
 

@@ -134,8 +134,8 @@ absl::StatusOr<transport::BufferPool*> ConnectionImpl::SendPool() {
   return pool;
 }
 
-absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
-                                                              size_t count) {
+absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(
+    size_t size, size_t count, bool partly_used) {
   WorkerShared& sh = SharedOf(ctx_);
   size = (size + 63) & ~size_t{63};
   auto it = sh.send_pools.find(size);
@@ -144,6 +144,7 @@ absl::StatusOr<transport::BufferPool*> ConnectionImpl::PoolOf(size_t size,
   po.buffer_size = size;
   po.count = count;
   po.access = IBV_ACCESS_LOCAL_WRITE;
+  po.transparent_hugepages = !partly_used;
   auto pool = transport::BufferPool::Create(ctx_.pd(), po);
   if (!pool.ok()) return pool.status();
   transport::BufferPool* p = pool->get();

@@ -44,6 +44,8 @@ absl::StatusOr<std::unique_ptr<BufferPool>> BufferPool::Create(
     }
     p->mem_ = m;
     p->mapped_ = len;
+    // Advice only: a kernel without THP ignores it or fails it harmlessly.
+    if (!options.transparent_hugepages) madvise(m, len, MADV_NOHUGEPAGE);
   }
   auto mr = pd.Register(p->mem_, bytes, options.access);
   if (!mr.ok()) return mr.status();

@@ -31,6 +31,12 @@ class BufferPool {
     size_t count = 1024;
     int access = IBV_ACCESS_LOCAL_WRITE;
     bool try_hugepages = true;
+    // Ordinary pages only. false: the kernel never backs the pool with
+    // transparent huge pages, so a page becomes resident when it is first
+    // written, not its whole 2 MiB neighbourhood, zeroed at once. For
+    // pools of large buffers that are mostly written in part (the staging
+    // buffers of medium messages).
+    bool transparent_hugepages = true;
   };
 
   class Buffer {

@@ -2,6 +2,8 @@
 // (transport/memory.cc): many threads taking and returning buffers of a
 // small pool must never hold the same buffer at once, and every buffer must
 // be back, once, at the end.
+#include <sys/mman.h>
+
 #include <atomic>
 #include <memory>
 #include <set>
@@ -56,6 +58,38 @@ TEST(BufferPoolTest, GetAndPutFromManyThreads) {
     all.push_back(std::move(*b));
   }
   EXPECT_FALSE((*pool)->TryGet().has_value());
+}
+
+// A pool made for buffers that are mostly written in part (the staging
+// buffers of medium messages): a page becomes resident when it is written,
+// not the 2 MiB transparent huge page around it.
+TEST(BufferPoolTest, PartlyUsedPoolFaultsInOnlyWrittenPages) {
+  ProviderOptions po;
+  po.kind = ProviderKind::kSoft;
+  auto device = Device::Open(po);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto pd = (*device)->AllocPd();
+  ASSERT_TRUE(pd.ok()) << pd.status();
+  BufferPool::Options o;
+  o.buffer_size = 128 * 1024;
+  o.count = 32;
+  o.try_hugepages = false;
+  o.transparent_hugepages = false;
+  auto pool = BufferPool::Create(**pd, o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::vector<BufferPool::Buffer> all;
+  for (size_t i = 0; i < o.count; ++i) {
+    auto b = (*pool)->TryGet();
+    ASSERT_TRUE(b.has_value());
+    b->data()[0] = std::byte{1};
+    all.push_back(std::move(*b));
+  }
+  const size_t len = o.buffer_size * o.count;
+  std::vector<unsigned char> v(len / 4096);
+  ASSERT_EQ(mincore((*pool)->region().addr(), len, v.data()), 0);
+  size_t resident = 0;
+  for (unsigned char c : v) resident += c & 1;
+  EXPECT_EQ(resident, o.count);
 }
 
 }  // namespace
