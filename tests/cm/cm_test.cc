@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -412,6 +413,119 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
     co_await served.Wait();
     EXPECT_TRUE(server_status.ok()) << server_status;
   }(this, other.get(), other_ctx.get()));
+  other->Post([&] { other_ctx.reset(); });
+  other->Post([&] { other->Stop(); });
+  th.join();
+}
+
+// A Send cancelled while its RTS waits for the CTS abandons the rendezvous:
+// the receiver, whose reactor was stalled, answers the RTS late; the
+// sender then tells it the transfer is off (DONE, aborted), the receiver
+// lets the buffer go and delivers nothing for it, and the connection
+// carries the next messages, in order and intact, both ways.
+TEST_P(CmTest, ASendCancelledBeforeItsCtsAbandonsTheRendezvous) {
+  auto r2 = Reactor::Create();
+  ASSERT_TRUE(r2.ok());
+  std::unique_ptr<Reactor> other = *std::move(r2);
+  auto c2 = Worker::Create(*other, *device_);
+  ASSERT_TRUE(c2.ok()) << c2.status();
+  std::unique_ptr<Worker> other_ctx = *std::move(c2);
+  std::thread th([&] { other->Run(); });
+  // The receiver's reactor stalls in `stall` until the sender cancelled.
+  std::latch stalled(1), release(1);
+  Run([](CmTest* t, Reactor* other, Worker* octx, std::latch* stalled,
+         std::latch* release) -> Task<void> {
+    auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
+    CO_ASSERT_OK(ln);
+    Event served;
+    absl::Status server_status = absl::UnknownError("not run");
+    auto on_other = [](std::unique_ptr<ConnectRequest> req, Worker* octx,
+                       Reactor* home, Event* done, absl::Status* out,
+                       std::latch* stalled, std::latch* release) -> Task<void> {
+      auto report = [&](absl::Status s) {
+        *out = s;
+        home->Post([done] { done->Set(); });
+      };
+      auto c = co_await req->Accept(*octx);
+      if (!c.ok()) co_return report(c.status());
+      auto go = co_await (*c)->Recv();
+      if (!go.ok()) co_return report(go.status());
+      // A handler that blocks its reactor: the RTS arrives meanwhile.
+      stalled->count_down();
+      release->wait();
+      // The abandoned message is never delivered: the next one is the
+      // second large message, then the small one.
+      absl::Status s = absl::OkStatus();
+      for (int i = 0; i < 2 && s.ok(); ++i) {
+        auto m = co_await (*c)->Recv();
+        s = m.ok() ? co_await (*c)->Send(m->data()) : m.status();
+      }
+      if (s.ok()) {
+        auto end = co_await (*c)->Recv();  // the client's goodbye
+        (void)end;
+      }
+      co_await (*c)->Close();
+      c->reset();
+      for (int i = 0; i < 50; ++i) co_await Reactor::Current()->Yield();
+      report(s);
+    };
+    // (A lambda with captures must not be a coroutine: on_other is
+    // captureless, so its type alone makes it.)
+    auto srv = [](Listener* l, Worker* octx, Reactor* other, Event* done,
+                  absl::Status* out, std::latch* stalled,
+                  std::latch* release) -> Task<void> {
+      auto req = co_await l->Next();
+      if (!req.ok()) {
+        *out = req.status();
+        done->Set();
+        co_return;
+      }
+      other->Spawn(decltype(on_other){}(*std::move(req), octx,
+                                        Reactor::Current(), done, out, stalled,
+                                        release));
+    };
+    t->reactor_->Spawn(
+        srv(ln->get(), octx, other, &served, &server_status, stalled, release));
+    auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port());
+    CO_ASSERT_OK(c);
+    CO_ASSERT_OK(co_await (*c)->Send(Pattern(16, 1)));
+    while (!stalled->try_wait()) {
+      co_await t->reactor_->Sleep(absl::Milliseconds(1));
+    }
+    // 1 MiB: above the landing size, a rendezvous. Its RTS is acknowledged
+    // (by the receiver's NIC, or soft's progress thread) but not answered.
+    auto abandoned = Pattern(1 << 20, 2);
+    std::stop_source stop;
+    absl::Status sent = absl::UnknownError("not run");
+    Event send_done;
+    t->reactor_->Spawn(
+        [](Connection* c, std::span<const std::byte> b, absl::Status* out,
+           Event* done) -> Task<void> {
+          *out = co_await c->Send(b);
+          done->Set();
+        }((*c).get(), abandoned, &sent, &send_done),
+        stop.get_token());
+    co_await t->reactor_->Sleep(absl::Milliseconds(200));
+    stop.request_stop();
+    CO_ASSERT_OK(co_await send_done.Wait());
+    EXPECT_TRUE(absl::IsCancelled(sent)) << sent;
+    release->count_down();
+    EXPECT_TRUE((*c)->status().ok()) << (*c)->status();
+    auto large = Pattern(1 << 20, 3);
+    auto small = Pattern(100, 4);
+    CO_ASSERT_OK(co_await (*c)->Send(large));
+    CO_ASSERT_OK(co_await (*c)->Send(small));
+    auto back = co_await (*c)->Recv();
+    CO_ASSERT_OK(back);
+    EXPECT_TRUE(Same(back->data(), large));
+    back = co_await (*c)->Recv();
+    CO_ASSERT_OK(back);
+    EXPECT_TRUE(Same(back->data(), small));
+    CO_ASSERT_OK(co_await (*c)->Close());
+    co_await served.Wait();
+    EXPECT_TRUE(server_status.ok()) << server_status;
+  }(this, other.get(), other_ctx.get(), &stalled, &release));
+  release.count_down();  // (a failed assertion may have left it stalled)
   other->Post([&] { other_ctx.reset(); });
   other->Post([&] { other->Stop(); });
   th.join();
