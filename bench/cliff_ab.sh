@@ -4,7 +4,10 @@
 # whose run alternates the largest eager size and the first landed size
 # PAIRS times (CALLS calls each) on one connection, so that a load burst
 # hits both sizes alike; builds interleave, REPS rounds. Prints calls/s per
-# size (total calls / total time) and the ratio for each run.
+# size (total calls / total time), the ratio and the landed call's extra
+# time (1/landed - 1/eager calls/s, in us) for each run, then each build's
+# means. The extra time is the landing path's own cost; the ratio also
+# falls when only the eager call gets faster.
 #
 #   bench/cliff_ab.sh DIR_A DIR_B ...
 #   (in the VM: PROVIDER=verbs ADDR='$COVERBS_VM_ADDR_A' tests/vm/run-in-vm.sh bench/cliff_ab.sh ...;
@@ -30,8 +33,12 @@ for rep in $(seq 1 "$reps"); do
     awk -v d="$d" -v r="$rep" -v e="$eager" -v l="$landed" '
       $1 ~ /^[0-9]+$/ && NF >= 9 { if ($3 != 0) print "ERRORS"; n[$1] += $2; t[$1] += $4 }
       END { a = n[e] / t[e]; b = n[l] / t[l];
-            printf "%s rep %d  %d %8.0f  %d %8.0f  ratio %.3f\n", d, r, e, a, l, b, b / a }' \
-      "$work/cli.out"
+            printf "%s rep %d  %d %8.0f  %d %8.0f  ratio %.3f  extra %.2f us\n",
+                   d, r, e, a, l, b, b / a, 1e6 / b - 1e6 / a }' \
+      "$work/cli.out" | tee -a "$work/runs"
   done
 done
+awk '$2 == "rep" { n[$1]++; r[$1] += $9; x[$1] += $11 }
+     END { for (d in n) printf "# %s: %d runs, mean ratio %.3f, mean extra %.2f us\n",
+                                d, n[d], r[d] / n[d], x[d] / n[d] }' "$work/runs" | sort
 echo "# end $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"
