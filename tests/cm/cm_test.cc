@@ -347,16 +347,42 @@ TEST_P(CmTest, HundredConcurrentConnections) {
       absl::Seconds(240));
 }
 
+// A second reactor on a thread of its own, with a Worker of the test's
+// device (as a ReactorPool server has). The destructor ends the Worker on
+// that reactor, stops it and joins the thread.
+class OtherReactor {
+ public:
+  static absl::StatusOr<std::unique_ptr<OtherReactor>> Start(Device& device) {
+    auto r = Reactor::Create();
+    if (!r.ok()) return r.status();
+    auto w = Worker::Create(**r, device);
+    if (!w.ok()) return w.status();
+    return std::unique_ptr<OtherReactor>(
+        new OtherReactor(*std::move(r), *std::move(w)));
+  }
+  ~OtherReactor() {
+    reactor_->Post([this] { worker_.reset(); });
+    reactor_->Post([this] { reactor_->Stop(); });
+    thread_.join();
+  }
+  Reactor* reactor() const { return reactor_.get(); }
+  Worker* worker() const { return worker_.get(); }
+
+ private:
+  OtherReactor(std::unique_ptr<Reactor> r, std::unique_ptr<Worker> w)
+      : reactor_(std::move(r)), worker_(std::move(w)) {
+    thread_ = std::thread([this] { reactor_->Run(); });
+  }
+  std::unique_ptr<Reactor> reactor_;
+  std::unique_ptr<Worker> worker_;
+  std::thread thread_;
+};
+
 TEST_P(CmTest, AcceptOntoAnotherReactor) {
   // The listener runs on this reactor; the connection is accepted onto a
   // Worker of a second reactor thread (as a ReactorPool server does).
-  auto r2 = Reactor::Create();
-  ASSERT_TRUE(r2.ok());
-  std::unique_ptr<Reactor> other = *std::move(r2);
-  auto c2 = Worker::Create(*other, *device_);
-  ASSERT_TRUE(c2.ok()) << c2.status();
-  std::unique_ptr<Worker> other_ctx = *std::move(c2);
-  std::thread th([&] { other->Run(); });
+  auto other = OtherReactor::Start(*device_);
+  ASSERT_TRUE(other.ok()) << other.status();
   Run([](CmTest* t, Reactor* other, Worker* octx) -> Task<void> {
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
     CO_ASSERT_OK(ln);
@@ -412,10 +438,7 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
     CO_ASSERT_OK(co_await (*c)->Close());
     co_await served.Wait();
     EXPECT_TRUE(server_status.ok()) << server_status;
-  }(this, other.get(), other_ctx.get()));
-  other->Post([&] { other_ctx.reset(); });
-  other->Post([&] { other->Stop(); });
-  th.join();
+  }(this, (*other)->reactor(), (*other)->worker()));
 }
 
 // A Send cancelled while its RTS waits for the CTS abandons the rendezvous:
@@ -424,15 +447,11 @@ TEST_P(CmTest, AcceptOntoAnotherReactor) {
 // lets the buffer go and delivers nothing for it, and the connection
 // carries the next messages, in order and intact, both ways.
 TEST_P(CmTest, ASendCancelledBeforeItsCtsAbandonsTheRendezvous) {
-  auto r2 = Reactor::Create();
-  ASSERT_TRUE(r2.ok());
-  std::unique_ptr<Reactor> other = *std::move(r2);
-  auto c2 = Worker::Create(*other, *device_);
-  ASSERT_TRUE(c2.ok()) << c2.status();
-  std::unique_ptr<Worker> other_ctx = *std::move(c2);
-  std::thread th([&] { other->Run(); });
-  // The receiver's reactor stalls in `stall` until the sender cancelled.
+  // The receiver's handler blocks its reactor until the sender cancelled.
+  // (Declared first: they outlive the other reactor's thread.)
   std::latch stalled(1), release(1);
+  auto other = OtherReactor::Start(*device_);
+  ASSERT_TRUE(other.ok()) << other.status();
   Run([](CmTest* t, Reactor* other, Worker* octx, std::latch* stalled,
          std::latch* release) -> Task<void> {
     auto ln = Listener::Create(*t->server_ctx_, t->addr_, 0);
@@ -524,11 +543,9 @@ TEST_P(CmTest, ASendCancelledBeforeItsCtsAbandonsTheRendezvous) {
     CO_ASSERT_OK(co_await (*c)->Close());
     co_await served.Wait();
     EXPECT_TRUE(server_status.ok()) << server_status;
-  }(this, other.get(), other_ctx.get(), &stalled, &release));
-  release.count_down();  // (a failed assertion may have left it stalled)
-  other->Post([&] { other_ctx.reset(); });
-  other->Post([&] { other->Stop(); });
-  th.join();
+  }(this, (*other)->reactor(), (*other)->worker(), &stalled, &release));
+  // A failed assertion may have returned before the release.
+  if (!release.try_wait()) release.count_down();
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, CmTest, ::testing::ValuesIn(Providers()),
