@@ -19,17 +19,28 @@
 namespace coverbs::transport {
 namespace {
 
-TEST(BufferPoolTest, GetAndPutFromManyThreads) {
-  ProviderOptions po;
-  po.kind = ProviderKind::kSoft;
-  auto device = Device::Open(po);
-  ASSERT_TRUE(device.ok()) << device.status();
-  auto pd = (*device)->AllocPd();
-  ASSERT_TRUE(pd.ok()) << pd.status();
+// A soft device and a protection domain for the pools.
+class BufferPoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ProviderOptions po;
+    po.kind = ProviderKind::kSoft;
+    auto device = Device::Open(po);
+    ASSERT_TRUE(device.ok()) << device.status();
+    device_ = *std::move(device);
+    auto pd = device_->AllocPd();
+    ASSERT_TRUE(pd.ok()) << pd.status();
+    pd_ = *std::move(pd);
+  }
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<ProtectionDomain> pd_;
+};
+
+TEST_F(BufferPoolTest, GetAndPutFromManyThreads) {
   BufferPool::Options o;
   o.buffer_size = 64;
   o.count = 8;
-  auto pool = BufferPool::Create(**pd, o);
+  auto pool = BufferPool::Create(*pd_, o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<std::atomic<int>> owners(o.count);
   std::atomic<bool> clash{false};
@@ -63,19 +74,13 @@ TEST(BufferPoolTest, GetAndPutFromManyThreads) {
 // A pool made for buffers that are mostly written in part (the staging
 // buffers of medium messages): a page becomes resident when it is written,
 // not the 2 MiB transparent huge page around it.
-TEST(BufferPoolTest, PartlyUsedPoolFaultsInOnlyWrittenPages) {
-  ProviderOptions po;
-  po.kind = ProviderKind::kSoft;
-  auto device = Device::Open(po);
-  ASSERT_TRUE(device.ok()) << device.status();
-  auto pd = (*device)->AllocPd();
-  ASSERT_TRUE(pd.ok()) << pd.status();
+TEST_F(BufferPoolTest, PartlyUsedPoolFaultsInOnlyWrittenPages) {
   BufferPool::Options o;
   o.buffer_size = 128 * 1024;
   o.count = 32;
   o.try_hugepages = false;
   o.transparent_hugepages = false;
-  auto pool = BufferPool::Create(**pd, o);
+  auto pool = BufferPool::Create(*pd_, o);
   ASSERT_TRUE(pool.ok()) << pool.status();
   std::vector<BufferPool::Buffer> all;
   for (size_t i = 0; i < o.count; ++i) {
