@@ -16,9 +16,8 @@
 // first round and the count of each answer; exits 3 if any case got
 // another answer.
 //
-// Not covered: a key of another live connection. Soft rkeys are valid
-// across the PD today (issue #27 brings memory windows bound to one QP);
-// such a WRITE would succeed, so it is not sent here.
+// Not covered here: a key of another live connection, and keys guessed
+// from the ones a peer sees; scope_client attacks those (scope_test.sh).
 #include <arpa/inet.h>
 #include <poll.h>
 #include <sys/socket.h>
