@@ -1,7 +1,6 @@
 #include "cm/large_memory_cache.h"
 
 #include <infiniband/verbs.h>
-#include <sys/mman.h>
 
 #include <cstdint>
 #include <utility>
@@ -9,6 +8,7 @@
 
 #include "cm/page_memory.h"
 #include "gtest/gtest.h"
+#include "tests/resident_pages.h"
 #include "transport/device.h"
 
 namespace coverbs::cm::internal {
@@ -91,15 +91,6 @@ TEST(LargeMemoryCacheTest, IdleMemoryFollowsTheWorkingSet) {
   cache.Put(std::move(again));
 }
 
-// Pages of [mem, mem + len) resident now (mincore).
-size_t ResidentPages(const std::byte* mem, size_t len) {
-  std::vector<unsigned char> v((len + 4095) / 4096);
-  if (mincore(const_cast<std::byte*>(mem), len, v.data()) != 0) return ~0ul;
-  size_t n = 0;
-  for (unsigned char c : v) n += c & 1;
-  return n;
-}
-
 // A connection's landing grants are 32 blocks of 128 KiB, mapped side by
 // side (the kernel merges them into one area), of which a medium message
 // writes a few pages. With transparent huge pages ("always"), the first
@@ -115,7 +106,7 @@ TEST(LargeMemoryCacheTest, OnlyWrittenPagesBecomeResident) {
     b.mem[4096] = std::byte{1};
   }
   for (LargeMemoryCache::Block& b : blocks) {
-    EXPECT_EQ(ResidentPages(b.mem, b.capacity), 2u);
+    EXPECT_EQ(testing::ResidentPages(b.mem, b.capacity), 2u);
   }
   for (LargeMemoryCache::Block& b : blocks) cache.Put(std::move(b));
 }
