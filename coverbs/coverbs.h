@@ -3,12 +3,12 @@
 //   #include "coverbs/coverbs.h"
 //
 // Coroutines and reactors (Task, Reactor, Spawn/JoinHandle, WhenAll/WhenAny,
-// ForEachBounded,
-// CO_RETURN_IF_ERROR / CO_ASSIGN_OR_RETURN), the device (transport::Device,
-// typed memory Access), connections (cm::Connect, cm::Listener,
-// cm::Connection, cm::Worker, cm::WorkerPool), the RPC layer (rpc::Server,
-// rpc::Client) and the two entry points of a program (coverbs/run.h:
-// RunMain, Serve). README.md, "Writing a service", shows them in use.
+// ForEachBounded, CO_RETURN_IF_ERROR / CO_ASSIGN_OR_RETURN), the device
+// (transport::Device, typed memory Access), connections (cm::Connect,
+// cm::Listener, cm::Connection, cm::Worker, cm::WorkerPool), the RPC layer
+// (rpc::Server, rpc::Client, rpc::ClientPool) and the two entry points of a
+// program (coverbs/run.h: RunMain, Serve). README.md, "Writing a service",
+// shows them in use.
 // Internal headers (cm/wire.h, transport/soft/..., *_impl.h) are not part of
 // it and not visible to targets outside coverbs.
 #ifndef COVERBS_COVERBS_H_
@@ -21,9 +21,9 @@
 
 #include "cm/connect.h"
 #include "cm/connection.h"
+#include "cm/listener.h"
 #include "cm/worker.h"
 #include "cm/worker_pool.h"
-#include "cm/listener.h"
 #include "core/bounded.h"
 #include "core/join.h"
 #include "core/offload.h"
@@ -35,6 +35,7 @@
 #include "core/when.h"
 #include "coverbs/run.h"
 #include "rpc/client.h"
+#include "rpc/client_pool.h"
 #include "rpc/server.h"
 #include "transport/device.h"
 

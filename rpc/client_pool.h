@@ -18,13 +18,19 @@
 //  - A lost connection (server stopped or killed, link down, protocol
 //    error): the calls in flight on it fail with UNAVAILABLE naming the
 //    connection and the cause (rpc::Client's contract); later calls go to
-//    the reactor's other live connections. The lost one is reconnected in
-//    the background: at once, then after reconnect_min, doubling up to
-//    reconnect_max (each pause jittered by up to +-25%) while connecting
-//    fails.
-//  - A call that finds no live connection on its reactor waits for one
-//    until its deadline, then fails with DEADLINE_EXCEEDED naming the last
-//    connect failure.
+//    the reactor's other live connections. The first to see the loss (a
+//    call or the connection's watcher) takes it out of rotation. The lost
+//    one is reconnected in the background, whatever the callers do: at
+//    once, then after reconnect_min, doubling up to reconnect_max (each
+//    pause jittered by up to +-25%) while connecting fails.
+//  - A call that finds no live connection on its reactor:
+//    - fails fast (UNAVAILABLE naming each server's last connect error)
+//      when every connection's last attempt failed, as gRPC does;
+//    - otherwise (a connect is on its way, or wait_for_ready) sleeps until
+//      a connection comes up or an attempt fails, then decides again; at
+//      its deadline it fails with DEADLINE_EXCEEDED naming the last
+//      connect failures. Nothing polls: a pool whose servers are all down
+//      costs only its back-off timers.
 //  - A call without a deadline (CallOptions::deadline infinite) gets
 //    now + default_deadline.
 //  - Threads: Call on one of the WorkerPool's reactor threads; Create,
@@ -49,6 +55,7 @@
 #include "core/task.h"
 #include "rpc/client.h"
 #include "rpc/payload.h"
+#include "rpc/typed.h"
 
 namespace coverbs::rpc {
 
@@ -68,10 +75,15 @@ struct ClientPoolOptions {
   // How often an idle connection's state is checked (a loss seen by a call
   // is acted on at once).
   absl::Duration check_interval = absl::Milliseconds(100);
+  // false (the default): a call fails at once with UNAVAILABLE when no
+  // connection of its reactor is live and every last connect attempt
+  // failed. true: it waits for a connection until its deadline.
+  bool wait_for_ready = false;
 };
 
 namespace internal {
 struct PoolReactor;  // rpc/client_pool.cc
+struct PoolSlot;
 }  // namespace internal
 
 class ClientPool {
@@ -97,6 +109,35 @@ class ClientPool {
   Task<absl::StatusOr<Response>> Call(std::string_view method,
                                       std::span<const std::byte> payload);
 
+  // Typed calls, as rpc::Client's (rpc/typed.h): `args` checked against the
+  // Method descriptor at compile time, encoded by rpc::Codec<Args>, the
+  // response decoded as R.
+  template <typename Args, typename R>
+  Task<absl::StatusOr<R>> Call(const Method<Args, R>& method,
+                               const std::type_identity_t<Args>& args,
+                               CallOptions options) {
+    internal::EncodedArg<Args> enc(args);
+    absl::StatusOr<Response> r =
+        co_await Call(method.name, enc.view(), std::move(options));
+    if (!r.ok()) co_return r.status();
+    co_return internal::FromResponse<R>(method.name, *std::move(r));
+  }
+  template <typename Args, typename R>
+  Task<absl::StatusOr<R>> Call(const Method<Args, R>& method,
+                               const std::type_identity_t<Args>& args) {
+    return Call<Args, R>(method, args, CallOptions());
+  }
+
+  // A live connection of the calling reactor, held for operations that
+  // belong together: a call, then the one-sided operations
+  // (lease->connection().Read ...) on the token it returned, which only
+  // that connection may use. Picked as a call's connection is (fail fast,
+  // or wait for ready until options.deadline). While held, the Client stays
+  // valid even if the pool drops the connection (its operations then fail
+  // with UNAVAILABLE); drop the lease when done. Same threads as Call.
+  Task<absl::StatusOr<std::shared_ptr<Client>>> Lease(CallOptions options);
+  Task<absl::StatusOr<std::shared_ptr<Client>>> Lease();
+
   // Stops reconnecting, closes every connection (calls in flight fail with
   // UNAVAILABLE, waiting ones too) and waits until nothing of the pool runs
   // on its reactors. Idempotent. Not on one of the pool's reactor threads.
@@ -108,14 +149,27 @@ class ClientPool {
     uint64_t losses = 0;            // established connections that went down
     uint64_t calls = 0;             // calls given to a connection
     uint64_t live = 0;              // connections usable now
+    uint64_t reconnects = 0;  // connects of a connection that was up before
+    uint64_t fail_fast = 0;   // calls (or leases) failed at once: no
+                              // server reachable
+    uint64_t leases = 0;      // connections leased
   };
   Stats stats() const;
 
  private:
   struct Counters {
     std::atomic<uint64_t> connects{0}, connect_failures{0}, losses{0}, calls{0},
-        live{0};
+        live{0}, reconnects{0}, fail_fast{0}, leases{0};
   };
+  // A live slot of the calling reactor.
+  struct Picked {
+    std::shared_ptr<internal::PoolReactor> reactor;
+    std::shared_ptr<internal::PoolSlot> slot;
+  };
+  // The calling reactor's next live connection, or why none: fail fast, or
+  // wait until `deadline` (infinite: default_deadline). `what` names the
+  // operation in errors.
+  Task<absl::StatusOr<Picked>> Pick(std::string what, absl::Time deadline);
   ClientPool(ClientPoolOptions options) : options_(std::move(options)) {}
   Task<void> Maintain(std::shared_ptr<internal::PoolReactor> r, size_t slot);
   void LoopEnded();
