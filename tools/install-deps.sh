@@ -26,6 +26,8 @@ PKGS=(
   libmsgpack-cxx-dev # rpc/codec.h: typed methods' plain structs (msgpack-c++)
   libprotobuf-dev protobuf-compiler  # typed methods with protobuf messages
   prometheus-cpp-dev # //rpc:metrics: Prometheus export (optional target)
+  cmake make         # tests/install: a service built with CMake against the
+                     # installed tree (bazel run //:install)
   curl prometheus    # the metrics tests scrape /metrics (curl) and lint it (promtool)
 )
 for arg in "$@"; do
