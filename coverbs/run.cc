@@ -116,8 +116,9 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
     }
     int sig = 0;
     sigwait(&stop, &sig);
-    COVERBS_LOG(kInfo, "run", "signal %d: shutting down", sig);
-    server.Shutdown();
+    COVERBS_LOG(kInfo, "run", "signal %d: draining (at most %s)", sig,
+                absl::FormatDuration(options.drain).c_str());
+    server.Shutdown(options.drain);
     while (!kept.empty()) kept.pop_back();  // newest first
     rc = 0;
   } while (false);

@@ -26,6 +26,7 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "cm/worker.h"
 #include "cm/worker_pool.h"
 #include "core/reactor.h"
@@ -83,13 +84,19 @@ struct ServeOptions {
   // pool or Serve's PD goes in ServeContext::keep (or is made in the user's
   // own device and PD: options.device, worker.pd).
   std::function<absl::Status(const ServeContext&)> setup;
+  // On SIGINT/SIGTERM the server drains for at most this long
+  // (rpc::Server::Shutdown(drain)): calls running finish, new ones are
+  // refused as "server draining" (rpc::ClientPool sends them elsewhere);
+  // then whatever still runs is cancelled. Zero: cancel at once.
+  absl::Duration drain = absl::Seconds(10);
 };
 
 // Opens the device (or takes options.device), starts `server` (handlers
 // registered) on a cm::WorkerPool of `threads` reactors sharing one PD,
 // after options.setup, listening on address:port (0: any
 // free port; server.port() and the log say which), serves until the process
-// gets SIGINT or SIGTERM, then shuts the server down. Blocks those signals
+// gets SIGINT or SIGTERM, then drains the server (options.drain) and shuts
+// it down. Blocks those signals
 // in the calling thread (and so in the reactors it starts) while it runs.
 int Serve(rpc::Server& server, const std::string& address, uint16_t port,
           const ServeOptions& options);

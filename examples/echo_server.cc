@@ -55,6 +55,10 @@ ABSL_FLAG(absl::Duration, run_for, absl::InfiniteDuration(),
 ABSL_FLAG(absl::Duration, accept_timeout, absl::Seconds(5),
           "A connecting peer must finish its handshake, including its first "
           "message on the connection, within this long, or it is dropped.");
+ABSL_FLAG(absl::Duration, drain, absl::Seconds(10),
+          "On SIGINT/SIGTERM, drain for at most this long: calls running "
+          "finish, new ones are refused as \"server draining\" (a client "
+          "pool sends them to another server); 0s cancels them at once.");
 ABSL_FLAG(int, max_pending_handshakes, 1024,
           "Handshakes read at once; beyond it the oldest is dropped (silent "
           "peers cannot lock others out).");
@@ -164,6 +168,8 @@ int Run() {
                          absl::Milliseconds(1), absl::Hours(1)) ||
       !CheckDurationFlag(kP, "keepalive", absl::GetFlag(FLAGS_keepalive),
                          absl::ZeroDuration(), absl::Hours(24)) ||
+      !CheckDurationFlag(kP, "drain", absl::GetFlag(FLAGS_drain),
+                         absl::ZeroDuration(), absl::Hours(1)) ||
       !CheckDurationFlag(kP, "stats_interval",
                          absl::GetFlag(FLAGS_stats_interval),
                          absl::ZeroDuration(), forever) ||
@@ -291,7 +297,8 @@ int Run() {
   }
   std::printf("echo_server: %s, shutting down\n",
               sig == 0 ? "--run_for elapsed" : (sig == SIGINT ? "SIGINT" : "SIGTERM"));
-  server->Shutdown();
+  server->Shutdown(sig == 0 ? absl::ZeroDuration()
+                            : absl::GetFlag(FLAGS_drain));
   PrintStats(*server);
   if (metrics != nullptr) metrics->Watch(nullptr);
   server.reset();

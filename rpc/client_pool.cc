@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/reactor.h"
 #include "core/sync.h"
+#include "rpc/drain.h"
 
 namespace coverbs::rpc {
 namespace internal {
@@ -24,6 +25,9 @@ struct PoolSlot {
   bool attempt_failed = false;
   absl::Status last_error = absl::UnavailableError("not connected yet");
   Event down;  // a call saw the connection fail: act now
+  // The server refused a call because it drains: out of rotation; its
+  // calls in flight finish, then the pool closes it and reconnects.
+  bool draining = false;
 };
 
 // A reactor's share of the pool. Touched on that reactor only (Shutdown
@@ -187,6 +191,21 @@ Task<void> ClientPool::Maintain(std::shared_ptr<PoolReactor> r, size_t index) {
     }
     r->MarkDown(*s);
     std::shared_ptr<Client> old = std::move(s->client);
+    if (s->draining) {
+      // Its calls were admitted before the drain began: let them finish
+      // (each has a deadline) before closing our side.
+      while (old->in_flight() > 0 && old->status().ok() &&
+             !stop.stop_requested()) {
+        if (!(co_await r->reactor->Sleep(absl::Milliseconds(2))).ok()) break;
+      }
+      s->draining = false;
+      counters_.drained.fetch_add(1);
+      s->last_error = absl::UnavailableError(
+          absl::StrCat(kServerDraining, ": ", s->server.address, ":",
+                       s->server.port, " stopped taking calls"));
+      (void)co_await coverbs::internal::Unstoppable(old->Close());
+      continue;  // reconnect (refused while it stops: back-off)
+    }
     const bool lost = !old->status().ok();
     s->last_error =
         lost ? old->status() : absl::UnavailableError("client pool shut down");
@@ -244,18 +263,29 @@ Task<absl::StatusOr<Response>> ClientPool::Call(
   if (options.deadline == absl::InfiniteFuture()) {
     options.deadline = absl::Now() + options_.default_deadline;
   }
-  absl::StatusOr<Picked> p = co_await Pick(
-      absl::StrCat("call ", std::string(method)), options.deadline);
-  if (!p.ok()) co_return p.status();
-  std::shared_ptr<Client> c = p->slot->client;
-  counters_.calls.fetch_add(1);
-  absl::StatusOr<Response> resp = co_await c->Call(method, payload, options);
-  // The slot may have been reconnected meanwhile: only this client's loss
-  // takes it down.
-  if (!resp.ok() && !c->status().ok() && p->slot->client == c) {
-    p->reactor->MarkDown(*p->slot);
+  for (;;) {
+    absl::StatusOr<Picked> p = co_await Pick(
+        absl::StrCat("call ", std::string(method)), options.deadline);
+    if (!p.ok()) co_return p.status();
+    std::shared_ptr<Client> c = p->slot->client;
+    counters_.calls.fetch_add(1);
+    absl::StatusOr<Response> resp = co_await c->Call(method, payload, options);
+    if (resp.ok()) co_return resp;
+    // The slot may have been reconnected meanwhile: only this client's
+    // state takes it down.
+    const bool same = p->slot->client == c;
+    if (IsServerDraining(resp.status())) {
+      // Not run there: take that connection out and try another one.
+      counters_.drain_retries.fetch_add(1);
+      if (same && !p->slot->draining) {
+        p->slot->draining = true;
+        p->reactor->MarkDown(*p->slot);
+      }
+      continue;
+    }
+    if (!c->status().ok() && same) p->reactor->MarkDown(*p->slot);
+    co_return resp;
   }
-  co_return resp;
 }
 
 Task<absl::StatusOr<std::shared_ptr<Client>>> ClientPool::Lease(
@@ -302,6 +332,8 @@ ClientPool::Stats ClientPool::stats() const {
   s.reconnects = counters_.reconnects.load();
   s.fail_fast = counters_.fail_fast.load();
   s.leases = counters_.leases.load();
+  s.drained = counters_.drained.load();
+  s.drain_retries = counters_.drain_retries.load();
   s.live = counters_.live.load();
   return s;
 }

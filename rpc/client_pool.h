@@ -31,6 +31,11 @@
 //      its deadline it fails with DEADLINE_EXCEEDED naming the last
 //      connect failures. Nothing polls: a pool whose servers are all down
 //      costs only its back-off timers.
+//  - A server that drains (rpc::Server::Shutdown(drain)) refuses new calls
+//    without running them: such a call is sent again on another connection
+//    (as a new pick, under the same deadline), and the refusing connection
+//    leaves rotation; its calls in flight finish, then the pool closes it
+//    and reconnects with back-off.
 //  - A call without a deadline (CallOptions::deadline infinite) gets
 //    now + default_deadline.
 //  - Threads: Call on one of the WorkerPool's reactor threads; Create,
@@ -149,17 +154,20 @@ class ClientPool {
     uint64_t losses = 0;            // established connections that went down
     uint64_t calls = 0;             // calls given to a connection
     uint64_t live = 0;              // connections usable now
-    uint64_t reconnects = 0;  // connects of a connection that was up before
-    uint64_t fail_fast = 0;   // calls (or leases) failed at once: no
-                              // server reachable
-    uint64_t leases = 0;      // connections leased
+    uint64_t reconnects = 0;     // connects of a connection that was up before
+    uint64_t fail_fast = 0;      // calls (or leases) failed at once: no
+                                 // server reachable
+    uint64_t leases = 0;         // connections leased
+    uint64_t drained = 0;        // connections closed after a server drained
+    uint64_t drain_retries = 0;  // calls a draining server refused, sent on
   };
   Stats stats() const;
 
  private:
   struct Counters {
     std::atomic<uint64_t> connects{0}, connect_failures{0}, losses{0}, calls{0},
-        live{0}, reconnects{0}, fail_fast{0}, leases{0};
+        live{0}, reconnects{0}, fail_fast{0}, leases{0}, drained{0},
+        drain_retries{0};
   };
   // A live slot of the calling reactor.
   struct Picked {

@@ -12,6 +12,7 @@
 #include "core/reactor.h"
 #include "core/sync.h"
 #include "core/timeout.h"
+#include "rpc/drain.h"
 
 namespace coverbs::rpc {
 
@@ -164,6 +165,10 @@ struct Server::Conn {
   coverbs::internal::IntrusiveList<CallCoro::promise_type> live_calls;
   bool draining = false;
   Event drained;
+  // Server::Shutdown(drain): requests refused on this connection (DrainConn
+  // closes it once this stops growing), and whether its loop has ended.
+  uint64_t drain_refused = 0;
+  bool ended = false;
 
   Conn(size_t max_running, size_t max_outstanding)
       : running(max_running), admission(max_outstanding) {}
@@ -252,6 +257,7 @@ Server::Stats Server::stats() const {
   s.cancels_received = stats_.cancels_received.load();
   s.cancelled_calls = stats_.cancelled_calls.load();
   s.unknown_method = stats_.unknown_method.load();
+  s.drain_refused = stats_.drain_refused.load();
   s.protocol_errors = stats_.protocol_errors.load();
   s.copied_requests = stats_.copied_requests.load();
   for (size_t i = 0; i < cm::kCloseCauses; ++i) {
@@ -462,6 +468,17 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
       }
       continue;
     }
+    if (draining_.load(std::memory_order_relaxed)) [[unlikely]] {
+      // Not run: the caller may send it elsewhere (rpc/drain.h).
+      ++c->drain_refused;
+      stats_.drain_refused.fetch_add(1);
+      co_await SendError(
+          c.get(), h.call_id, h.method_id,
+          absl::UnavailableError(absl::StrCat(
+              kServerDraining, " (", conn.name(),
+              "): the call was not run; send it to another server")));
+      continue;
+    }
     // A request. Its call record goes in first: one lookup both finds a
     // reused id and makes the entry (taken out again below when the
     // request goes no further).
@@ -577,7 +594,55 @@ Task<void> Server::ServeLoop(std::shared_ptr<Conn> c) {
   stats_.credit_stalls.fetch_add(cs.credit_waits);
   stats_.rendezvous.fetch_add(cs.rendezvous_sent + cs.rendezvous_received);
   stats_.open_connections.fetch_sub(1);
+  c->ended = true;
   (void)why;
+}
+
+Task<void> Server::DrainConn(std::shared_ptr<Conn> c, absl::Duration quiet) {
+  Reactor& r = c->ctx->reactor();
+  for (;;) {
+    if (c->ended || c->stop.stop_requested()) co_return;
+    const uint64_t refused = c->drain_refused;
+    const bool idle = c->live_calls.empty();
+    if (!(co_await r.Sleep(quiet)).ok()) co_return;
+    if (c->ended || c->stop.stop_requested()) co_return;
+    if (idle && c->live_calls.empty() && c->drain_refused == refused) {
+      c->stop.request_stop();  // the loop closes the connection
+      co_return;
+    }
+  }
+}
+
+void Server::Shutdown(absl::Duration drain, absl::Duration quiet) {
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_ || shutting_down_ ||
+        draining_.load(std::memory_order_relaxed)) {
+      drain = absl::ZeroDuration();
+    } else {
+      draining_.store(true);
+      for (auto& w : conns_) {
+        if (auto c = w.lock()) conns.push_back(std::move(c));
+      }
+    }
+  }
+  if (drain > absl::ZeroDuration()) {
+    const absl::Time deadline = absl::Now() + drain;
+    accept_stop_.request_stop();  // no new connections
+    for (auto& c : conns) {
+      // On the connection's reactor, which also runs ~Conn (BeginShutdown).
+      Reactor& r = c->ctx->reactor();
+      r.Post([this, c = std::move(c), quiet]() mutable {
+        Reactor& here = c->ctx->reactor();
+        here.Spawn(DrainConn(std::move(c), quiet));
+      });
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, absl::ToChronoTime(deadline),
+                   [this] { return live_ == 0; });
+  }
+  Shutdown();
 }
 
 Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,

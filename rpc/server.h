@@ -168,6 +168,15 @@ class Server {
   // called on one of the server's reactor threads (it waits for them), and
   // before those reactors stop.
   void Shutdown();
+  // Drains first, for at most `drain`: stops listening; calls running go
+  // on to their responses; every new request is refused with UNAVAILABLE
+  // "server draining ..." (rpc/drain.h: the handler never ran, so the
+  // caller may go elsewhere; rpc::ClientPool does); a connection whose
+  // calls have ended and on which no request came for `quiet` is closed
+  // (a pool closes its own side once refused). Then, at the latest when
+  // `drain` ran out, Shutdown(). Same threads as Shutdown().
+  void Shutdown(absl::Duration drain,
+                absl::Duration quiet = absl::Milliseconds(100));
   // The same from a coroutine, e.g. on the server's only reactor; polls
   // (1 ms) until every connection ended.
   Task<void> ShutdownAsync();
@@ -193,6 +202,7 @@ class Server {
     uint64_t cancels_received = 0;
     uint64_t cancelled_calls = 0;  // handlers stopped before responding
     uint64_t unknown_method = 0;
+    uint64_t drain_refused = 0;  // requests refused while draining
     // Connections closed for a bad frame, or for breaking the connection
     // layer's protocol (cm::CloseCause::kProtocolViolation).
     uint64_t protocol_errors = 0;
@@ -217,6 +227,8 @@ class Server {
   Task<void> AcceptAndServe(std::shared_ptr<Conn> c,
                             std::unique_ptr<cm::ConnectRequest> req);
   Task<void> ServeLoop(std::shared_ptr<Conn> c);
+  // While draining: closes `c` once its calls ended and it was quiet.
+  Task<void> DrainConn(std::shared_ptr<Conn> c, absl::Duration quiet);
   // One call's coroutine (rpc/server.cc): ServeLoop runs it at once, and
   // it frees its own frame when it ends.
   struct CallCoro;
@@ -243,13 +255,15 @@ class Server {
   size_t live_ = 0;  // connections + the accept loop
   std::vector<std::weak_ptr<Conn>> conns_;
   std::stop_source accept_stop_;  // Shutdown: ends the accept loop
+  // Shutdown(drain): new requests are refused (read once per request).
+  std::atomic<bool> draining_{false};
 
   struct AtomicStats {
     std::atomic<uint64_t> connections{0}, open_connections{0}, calls{0},
         failed_calls{0}, request_bytes{0}, response_bytes{0},
         credit_stalls{0}, rendezvous{0}, cancels_received{0},
         cancelled_calls{0}, unknown_method{0}, protocol_errors{0},
-        copied_requests{0};
+        copied_requests{0}, drain_refused{0};
     std::array<std::atomic<uint64_t>, cm::kCloseCauses> closed{};
   };
   cm::Listener* listener_ = nullptr;  // under mu_; the accept loop's

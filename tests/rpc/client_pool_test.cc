@@ -6,8 +6,10 @@
 // and the only server stopped and restarted.
 #include "rpc/client_pool.h"
 
+#include <atomic>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "absl/time/time.h"
 #include "cm/worker_pool.h"
 #include "core/reactor.h"
+#include "core/sync.h"
 #include "gtest/gtest.h"
 #include "rpc/context.h"
 #include "rpc/server.h"
@@ -78,6 +81,13 @@ class ClientPoolTest : public ::testing::Test {
                co_await Reactor::Current()->Sleep(absl::Seconds(30));
            if (!st.ok()) co_return st;
            co_return Payload::Copy("late");
+         }).ok());
+    ASSERT_TRUE(
+        s->Register("Sleepy", [](Request) -> Task<absl::StatusOr<Payload>> {
+           absl::Status st =
+               co_await Reactor::Current()->Sleep(absl::Milliseconds(100));
+           if (!st.ok()) co_return st;
+           co_return Payload::Copy("rested");
          }).ok());
     // Typed: the upper-cased string; a region of kRegionBytes exposed to
     // the caller's connection alone.
@@ -298,6 +308,88 @@ TEST_F(ClientPoolTest, TypedCallsAndLeasedRead) {
   // The leases went round-robin too: both servers exposed regions.
   EXPECT_GE(servers_[0]->stats().calls, 4u);
   EXPECT_GE(servers_[1]->stats().calls, 4u);
+}
+
+// Callers keep calling (Echo, and Sleepy: 100 ms in its handler) while
+// one of two servers drains: the calls running there finish, the ones it
+// refuses go to the other server, and none fails.
+TEST_F(ClientPoolTest, DrainingServerLosesNoCall) {
+  StartServer(0, 0);
+  StartServer(1, 0);
+  MakePool({.servers = {{"127.0.0.1", servers_[0]->port()},
+                        {"127.0.0.1", servers_[1]->port()}},
+            .reconnect_min = absl::Milliseconds(10),
+            .reconnect_max = absl::Milliseconds(50)});
+  WaitLive(4);
+  struct Shared {
+    std::atomic<bool> stop{false};
+    std::atomic<int> ok{0}, sleepy_ok{0}, failed{0};
+    std::mutex mu;
+    std::string first_failure;
+  } sh;
+  std::promise<void> done[2];
+  constexpr int kCallers = 8;  // per reactor
+  for (size_t i = 0; i < 2; ++i) {
+    client_workers_->reactors().Spawn(
+        i,
+        [](ClientPool* p, Shared* sh, std::promise<void>* done) -> Task<void> {
+          WaitGroup wg;
+          for (int k = 0; k < kCallers; ++k) {
+            wg.Add();
+            Reactor::Current()->Spawn([](ClientPool* p, Shared* sh, int k,
+                                         WaitGroup* wg) -> Task<void> {
+              const std::string msg = "drain";
+              for (int n = 0; !sh->stop.load(); ++n) {
+                const bool sleepy = (n + k) % 4 == 0;
+                CallOptions o;
+                o.deadline = absl::Now() + absl::Seconds(30);
+                auto r = co_await p->Call(sleepy ? "Sleepy" : "Echo",
+                                          std::as_bytes(std::span(msg)), o);
+                if (r.ok()) {
+                  (sleepy ? sh->sleepy_ok : sh->ok).fetch_add(1);
+                  continue;
+                }
+                sh->failed.fetch_add(1);
+                std::lock_guard lock(sh->mu);
+                if (sh->first_failure.empty()) {
+                  sh->first_failure = std::string(r.status().message());
+                }
+              }
+              wg->Done();
+            }(p, sh, k, &wg));
+          }
+          (void)co_await wg.Wait();
+          done->set_value();
+        }(pool_.get(), &sh, &done[i]));
+  }
+  // Both servers busy (Sleepy calls running on each), then server 0
+  // drains while the callers go on.
+  absl::Time until = absl::Now() + absl::Seconds(20);
+  while ((servers_[0]->stats().calls < 50 || servers_[1]->stats().calls < 50) &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  servers_[0]->Shutdown(absl::Seconds(20));
+  const Server::Stats drained = servers_[0]->stats();
+  servers_[0].reset();
+  // Calls go on, on server 1 alone.
+  const int ok_at_drain = sh.ok.load();
+  until = absl::Now() + absl::Seconds(20);
+  while (sh.ok.load() < ok_at_drain + 200 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  sh.stop.store(true);
+  done[0].get_future().wait();
+  done[1].get_future().wait();
+  EXPECT_EQ(sh.failed.load(), 0) << sh.first_failure;
+  EXPECT_GE(sh.ok.load(), ok_at_drain + 200);
+  EXPECT_GT(sh.sleepy_ok.load(), 0);
+  // Nothing running was cancelled by the drain.
+  EXPECT_EQ(drained.cancelled_calls, 0u);
+  EXPECT_EQ(pool_->stats().drain_retries, drained.drain_refused);
+  std::printf("drain: %llu refused and sent on, %d Sleepy calls, %d others\n",
+              static_cast<unsigned long long>(drained.drain_refused),
+              sh.sleepy_ok.load(), sh.ok.load());
 }
 
 TEST_F(ClientPoolTest, DefaultDeadline) {

@@ -7,7 +7,7 @@
 //
 // Every --tick it prints one line (all counts cumulative):
 //   tick ms=<epoch ms> ok=N fail=N cpu_ms=N live=N losses=N reconnects=N
-//        connect_failures=N fail_fast=N
+//        connect_failures=N fail_fast=N drain_retries=N
 // and each failed call as
 //   fail start_ms=<epoch ms of its start> code=<status code> <message>
 // At the end "done ok=N fail=N bad=N" (bad: an echo with other bytes);
@@ -137,7 +137,8 @@ int Main() {
     const rpc::ClientPool::Stats s = (*pool)->stats();
     std::printf(
         "tick ms=%lld ok=%llu fail=%llu cpu_ms=%lld live=%llu losses=%llu "
-        "reconnects=%llu connect_failures=%llu fail_fast=%llu\n",
+        "reconnects=%llu connect_failures=%llu fail_fast=%llu "
+        "drain_retries=%llu\n",
         static_cast<long long>(NowMs()),
         static_cast<unsigned long long>(ok_calls.load()),
         static_cast<unsigned long long>(failed_calls.load()),
@@ -146,7 +147,8 @@ int Main() {
         static_cast<unsigned long long>(s.losses),
         static_cast<unsigned long long>(s.reconnects),
         static_cast<unsigned long long>(s.connect_failures),
-        static_cast<unsigned long long>(s.fail_fast));
+        static_cast<unsigned long long>(s.fail_fast),
+        static_cast<unsigned long long>(s.drain_retries));
     std::fflush(stdout);
   }
   // Callers end within a deadline and a pause of `end`; then the pool goes.

@@ -6,8 +6,10 @@
 #     the client process uses little CPU (no busy loop) and its calls fail
 #     fast (UNAVAILABLE, at once) -- then the same with wait_for_ready (the
 #     calls wait instead, and nothing fails after the ones in flight);
-#  2. the server stopped with SIGTERM and restarted;
-#  3. two servers, one kill -9'd: only the calls in flight on it fail.
+#  2. the server stopped with SIGTERM (it drains: the pool's calls it
+#     refuses count as drain_retries, not losses) and restarted;
+#  3. two servers, one kill -9'd: only the calls in flight on it fail;
+#  4. two servers, one SIGTERMed: it drains, and no call fails.
 # The recovery time and CPU share are printed; the bounds asserted are
 # generous hang guards (the figures are for bench/RESULTS.md, not a race).
 #   pool_recovery_test.sh <echo_server> <pool_client>
@@ -69,7 +71,12 @@ run_kill_restart() {
   wait "${servers[0]}" 2>/dev/null
   local killed_ms
   killed_ms=$(now_ms)
-  wait_field_above losses 0 10 || fail "$what: the pool never counted the loss"
+  # kill -9: a loss; SIGTERM: the server drains, the pool closes its side.
+  if [[ $sig == KILL ]]; then
+    wait_field_above losses 0 10 || fail "$what: the pool never counted the loss"
+  else
+    wait_field_above drain_retries 0 10 || fail "$what: no call was refused by the draining server"
+  fi
   # 0.5 s after the kill to 2.5 s: the pool's CPU while the server is down.
   sleep 0.5
   local cpu0 t0
@@ -146,4 +153,30 @@ client=""
 fails=$(grep -c '^fail ' "$tmp/client.out")
 ((fails <= 16)) || fail "two servers: $fails calls failed (at most the 16 in flight)"
 echo "  two servers: $fails call(s) failed (in flight at the kill), $(field ok) succeeded"
+kill -9 "${servers[1]}" 2>/dev/null
+wait "${servers[1]}" 2>/dev/null
+
+echo "4. two servers, one drained by SIGTERM"
+: >"$tmp/client.out"
+start_server 0 0
+start_server 1 0
+"$client_bin" --servers="127.0.0.1:$(cat "$tmp/port_0"),127.0.0.1:$(cat "$tmp/port_1")" \
+  --callers=16 --run_for=6s >"$tmp/client.out" 2>&1 &
+client=$!
+wait_field_above ok 200 || fail "drain: no calls succeeded"
+kill -TERM "${servers[0]}"
+wait "${servers[0]}" || fail "drain: server 0 exited $? after SIGTERM"
+ok_after=$(field ok)
+wait_field_above ok $((ok_after + 500)) 10 ||
+  fail "drain: calls stopped succeeding on the live server"
+wait "$client"
+rc=$?
+client=""
+((rc == 0)) || fail "drain: pool_client exited $rc"
+fails=$(grep -c '^fail ' "$tmp/client.out")
+((fails == 0)) || fail "drain: $fails calls failed while a server drained"
+echo "  drain: 0 calls failed, $(field ok) succeeded;" \
+  "$(field drain_retries) refused by the draining server and sent on"
+kill -9 "${servers[1]}" 2>/dev/null
+wait "${servers[1]}" 2>/dev/null
 echo "PASS"
