@@ -7,8 +7,11 @@
 // takes every request the endpoint yields and starts one ReadHandshake task
 // for it, bounded by accept_timeout; decoded requests wait in a queue for
 // Next(). Pump never ends on an error accepting a socket (EMFILE, ...): it
-// backs off and tries again, until Close().
+// backs off and tries again, until Close(); out of descriptors, it first
+// drops the oldest pending handshake to free one.
 #include "cm/listener.h"
+
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -42,6 +45,34 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(10);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
 
+// ListenerOptions::max_pending_handshakes, lowered to leave fd_reserve
+// descriptors (at most half the limit) free under RLIMIT_NOFILE. `why`
+// says what lowered it, empty if nothing did.
+size_t PendingCap(const ListenerOptions& o, std::string* why) {
+  size_t cap = std::max<size_t>(1, o.max_pending_handshakes);
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) {
+    return cap;
+  }
+  const size_t limit = static_cast<size_t>(rl.rlim_cur);
+  const size_t reserve = std::min(o.fd_reserve, limit / 2);
+  const size_t fit = std::max<size_t>(1, limit - reserve);
+  if (fit < cap) {
+    cap = fit;
+    *why = absl::StrCat("RLIMIT_NOFILE ", limit, " less ", reserve,
+                        " descriptors kept for other work "
+                        "(ListenerOptions::fd_reserve)");
+  }
+  return cap;
+}
+
+constexpr char kEvictedForNewer[] =
+    "dropped for a newer connection: too many handshakes pending "
+    "(ListenerOptions::max_pending_handshakes)";
+constexpr char kEvictedForFds[] =
+    "dropped to free a descriptor: the process ran out of file descriptors "
+    "(RLIMIT_NOFILE)";
+
 }  // namespace
 
 namespace internal {
@@ -59,7 +90,10 @@ struct ConnectRequestState {
 // eviction can end it.
 struct PendingHandshake {
   std::stop_source stop;
-  bool evicted = false;
+  const char* evicted = nullptr;  // why, once evicted
+  // Set once the read has ended and, if it failed, the socket is closed:
+  // an eviction has freed its descriptor.
+  Event released{false};
 };
 
 struct ListenerState {
@@ -68,6 +102,7 @@ struct ListenerState {
   uint16_t port = 0;
   std::string name;  // "listener ADDRESS:PORT"
   ListenerOptions options;
+  size_t max_pending = 1;  // the cap in force (PendingCap)
   bool closed = false;
   // Written on the reactor thread; Listener::stats() may read from any.
   mutable std::mutex stats_mu;
@@ -150,19 +185,19 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
   st->Update([](Listener::Stats& s) { ++s.requests; });
   if (!private_data.ok()) {
     std::string why =
-        pending->evicted
-            ? std::string(
-                  "dropped for a newer connection: too many handshakes "
-                  "pending (ListenerOptions::max_pending_handshakes)")
+        pending->evicted != nullptr ? std::string(pending->evicted)
         : st->closed ? std::string("the listener closed")
                      : absl::StrCat("no valid handshake within ",
                                     absl::FormatDuration(
                                         st->options.accept_timeout),
                                     ": ", private_data.status().message());
     req->decided = true;
+    req->request.reset();  // closes the socket now (soft)
+    pending->released.Set();
     st->Refuse(PeerName(*req), why);
     co_return;
   }
+  pending->released.Set();  // the read is over; the socket goes on
   auto h = DecodeHandshake(std::as_bytes(std::span(*private_data)));
   if (!h.ok()) {
     RejectState(*req, std::string(h.status().message())).IgnoreError();
@@ -186,6 +221,33 @@ Task<void> ReadHandshake(std::shared_ptr<ListenerState> st,
   st->ready_event.Set();
 }
 
+// Ends the oldest pending handshake. Its task closes the socket when it
+// resumes, on this reactor: wait for `released` to have the descriptor back.
+std::shared_ptr<PendingHandshake> EvictOldest(ListenerState& st,
+                                              const char* why) {
+  std::shared_ptr<PendingHandshake> oldest = st.pending.front();
+  st.pending.pop_front();
+  st.ListsChanged();
+  oldest->evicted = why;
+  const bool for_fds = why == kEvictedForFds;
+  st.Update([for_fds](Listener::Stats& s) {
+    ++s.evicted;
+    if (for_fds) ++s.evicted_for_fds;
+  });
+  oldest->stop.request_stop();
+  return oldest;
+}
+
+// Waits (bounded) until an evicted handshake's task has closed its socket:
+// Pump accepts nothing meanwhile, so evictions keep the descriptors held
+// at the cap rather than the cap plus every socket accepted before the
+// evicted tasks ran. False once the listener is closing.
+Task<bool> Released(std::shared_ptr<PendingHandshake> evicted) {
+  auto wait = evicted->released.WaitFor(absl::Milliseconds(200));
+  absl::Status s = co_await std::move(wait);
+  co_return s.code() != absl::StatusCode::kCancelled;
+}
+
 // Takes every request the endpoint yields and starts reading its handshake.
 Task<void> Pump(std::shared_ptr<ListenerState> st) {
   absl::Duration backoff = kMinBackoff;
@@ -197,18 +259,34 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     if (!in.ok()) {
       if (in.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
       // Out of fds or memory, a connection aborted before it was taken:
-      // transient. Log once per burst, back off, accept again.
+      // transient. Log once per burst, back off, accept again. Out of
+      // descriptors (the soft connector's EMFILE/ENFILE) with handshakes
+      // pending: the oldest goes, which frees one, and the next accept
+      // comes as soon as its task has closed the socket.
+      const bool evict =
+          in.status().code() == absl::StatusCode::kResourceExhausted &&
+          !st->pending.empty();
+      std::shared_ptr<PendingHandshake> evicted;
+      if (evict) evicted = EvictOldest(*st, kEvictedForFds);
       st->Update([&](Listener::Stats& s) {
         ++s.accept_errors;
         s.last_accept_error = std::string(in.status().message());
       });
       uint64_t more = 0;
       if (st->error_log.Allow(&more)) {
-        COVERBS_LOG(kError, "cm", "%s: accepting failed: %s; retrying in %s%s",
-                    st->name, in.status().message(),
-                    absl::FormatDuration(backoff),
+        COVERBS_LOG(kError, "cm", "%s: accepting failed: %s; %s%s", st->name,
+                    in.status().message(),
+                    evict ? std::string("dropped the oldest pending handshake "
+                                        "to free a descriptor, retrying")
+                          : absl::StrCat("retrying in ",
+                                         absl::FormatDuration(backoff)),
                     more > 0 ? absl::StrCat(" (", more, " more failures)")
                              : std::string());
+      }
+      if (evicted != nullptr) {
+        auto released = Released(std::move(evicted));
+        if (!co_await std::move(released)) break;  // closing
+        continue;
       }
       auto sleep = Reactor::Current()->Sleep(backoff);
       absl::Status s = co_await sleep;
@@ -224,14 +302,9 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     req->request = *std::move(in);
     req->peer.address = req->request->peer_address();
     req->peer.port = req->request->peer_port();
-    if (st->pending.size() >= std::max<size_t>(
-                                  1, st->options.max_pending_handshakes)) {
-      std::shared_ptr<PendingHandshake> oldest = st->pending.front();
-      st->pending.pop_front();
-      st->ListsChanged();
-      oldest->evicted = true;
-      st->Update([](Listener::Stats& s) { ++s.evicted; });
-      oldest->stop.request_stop();
+    std::shared_ptr<PendingHandshake> evicted;
+    if (st->pending.size() >= st->max_pending) {
+      evicted = EvictOldest(*st, kEvictedForNewer);
     }
     auto pending = std::make_shared<PendingHandshake>();
     st->pending.push_back(pending);
@@ -239,6 +312,10 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     st->NoteSizes();
     st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
                              pending->stop.get_token());
+    if (evicted != nullptr) {
+      auto released = Released(std::move(evicted));
+      if (!co_await std::move(released)) break;  // closing
+    }
   }
   st->ready_event.Set();
 }
@@ -321,6 +398,7 @@ Listener::Listener(std::shared_ptr<ListenerState> s) : state_(std::move(s)) {}
 Listener::~Listener() { Close(); }
 
 uint16_t Listener::port() const { return state_->port; }
+size_t Listener::max_pending_handshakes() const { return state_->max_pending; }
 const std::string& Listener::address() const { return state_->address; }
 Listener::Stats Listener::stats() const {
   std::lock_guard<std::mutex> lock(state_->stats_mu);
@@ -349,13 +427,21 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Create(
   st->ctx = &ctx;
   st->address = address;
   st->options = std::move(options);
+  std::string lowered;
+  st->max_pending = PendingCap(st->options, &lowered);
   auto ep =
       internal::ConnectorOf(ctx).Listen(address, port, st->options.backlog);
   if (!ep.ok()) return ep.status();
   st->endpoint = *std::move(ep);
   st->port = st->endpoint->port();
   st->name = absl::StrCat("listener ", Endpoint(st->address, st->port));
-  COVERBS_LOG(kInfo, "cm", "%s: listening", st->name);
+  if (lowered.empty()) {
+    COVERBS_LOG(kInfo, "cm", "%s: listening", st->name);
+  } else {
+    COVERBS_LOG(kInfo, "cm",
+                "%s: listening; at most %d handshakes pending (%s)", st->name,
+                st->max_pending, lowered);
+  }
   ctx.reactor().Spawn(Pump(st), st->pump_stop.get_token());
   return std::unique_ptr<Listener>(new Listener(std::move(st)));
 }

@@ -13,13 +13,17 @@
 // each bounded by accept_timeout, in the background from Create on (not
 // only while Next() waits), so a peer that connects and says nothing --
 // or half a handshake -- delays nobody. At most max_pending_handshakes are
-// read at once (the oldest is dropped for a new one) and at most
-// max_queued_requests decoded requests wait for Next() (later ones are
-// rejected as busy). Errors accepting a socket (EMFILE, ENFILE, ENOMEM...)
-// never end the listener: it logs once per burst, backs off (10 ms up to
-// 1 s) and accepts again. Accept() completes only once the peer's first
-// message arrives, so a peer that connects and then says nothing is dropped
-// at accept_timeout too.
+// read at once (the oldest is dropped for a new one), and never so many
+// that they could take the descriptors real work needs: the cap is also
+// below the process's descriptor limit (RLIMIT_NOFILE) by fd_reserve, see
+// ListenerOptions. At most max_queued_requests decoded requests wait for
+// Next() (later ones are rejected as busy). Errors accepting a socket
+// (EMFILE, ENFILE, ENOMEM...) never end the listener: it logs once per
+// burst, backs off (10 ms up to 1 s) and accepts again; out of descriptors
+// (EMFILE, ENFILE) with handshakes pending it instead drops the oldest of
+// them and accepts again as soon as its socket is closed. Accept()
+// completes only once the peer's first message arrives, so a peer that
+// connects and then says nothing is dropped at accept_timeout too.
 //
 // Every request refused, connection accepted and listener error is one
 // log line (component "cm"; rejects at most one per second, with a count of
@@ -76,8 +80,19 @@ struct ListenerOptions {
   int backlog = 1024;
   // TCP/rdma_cm request -> the peer's first message on the connection.
   absl::Duration accept_timeout = absl::Seconds(5);
-  // Handshakes being read at once; above it the oldest is dropped.
+  // Handshakes being read at once; above it the oldest is dropped. On the
+  // soft provider each holds a descriptor (its socket), so the listener
+  // also keeps below the process's descriptor limit: the cap in force is
+  //   min(max_pending_handshakes, L - min(fd_reserve, L / 2))
+  // where L is the soft RLIMIT_NOFILE when Create runs (no term when it is
+  // unlimited), at least 1: 768 at the common default L = 1024. See
+  // Listener::max_pending_handshakes().
   size_t max_pending_handshakes = 1024;
+  // Descriptors the pending handshakes leave to everything else: the
+  // connections accepted (a socket each on soft), their completion queues
+  // (two per CQ on soft, one CQ per ~28 connections), the metrics server
+  // (rpc::ServerMetrics: at most its http_threads + 20 sockets), files.
+  size_t fd_reserve = 256;
   // Decoded requests waiting for Next(); above it new ones are rejected.
   size_t max_queued_requests = 1024;
   // Accept() calls this for each request; a non-OK status rejects the
@@ -96,6 +111,9 @@ class Listener {
 
   uint16_t port() const;
   const std::string& address() const;
+  // The cap on pending handshakes in force: ListenerOptions::
+  // max_pending_handshakes, lowered to fit the descriptor limit.
+  size_t max_pending_handshakes() const;
 
   // The next valid connection request (undecodable handshakes are rejected
   // here with their reason and not returned). Cancellable.
@@ -114,7 +132,10 @@ class Listener {
     // Refused: bad handshake, version mismatch, admit, Reject, busy, a
     // handshake not finished by accept_timeout.
     uint64_t rejected = 0;
-    uint64_t evicted = 0;        // pending handshakes dropped for new ones
+    // Pending handshakes dropped: for newer ones (above the cap), or to
+    // free a descriptor when accepting failed with EMFILE/ENFILE.
+    uint64_t evicted = 0;
+    uint64_t evicted_for_fds = 0;  // of `evicted`, for a descriptor
     uint64_t accept_errors = 0;  // failed accepts of a socket (EMFILE...)
     size_t pending = 0;          // handshakes being read now
     size_t queued = 0;           // decoded requests waiting for Next()

@@ -1,5 +1,6 @@
 #include "rpc/metrics.h"
 
+#include <algorithm>
 #include <array>
 #include <exception>
 #include <mutex>
@@ -17,6 +18,20 @@
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+
+#if defined(__SANITIZE_THREAD__)
+// civetweb (Debian's libcivetweb, built without REENTRANT_TIME) formats the
+// Date header with gmtime(), whose result is one static buffer in glibc:
+// two worker threads answering in the same instant write it at once. With
+// http_threads > 1 ThreadSanitizer's gmtime interceptor reports that (the
+// slowloris test makes workers time out together). Both write the same
+// second's fields, so at worst a Date header is off; nothing of ours is
+// involved, and civetweb itself is not instrumented. Only that library's
+// races are suppressed, in binaries that link this file.
+extern "C" const char* __tsan_default_suppressions() {
+  return "race:libcivetweb.so\n";
+}
+#endif
 
 namespace coverbs::rpc {
 namespace {
@@ -200,8 +215,20 @@ absl::Status ServerMetrics::Listen(const std::string& address, uint16_t port) {
   const std::string where = address.find(':') != std::string::npos
                                 ? absl::StrCat("[", address, "]:", port)
                                 : absl::StrCat(address, ":", port);
+  // civetweb's options (prometheus-cpp's Exposer passes them through): see
+  // Options. No keep-alive, so each connection is one request; no linger,
+  // so closing never waits on a peer that does not read.
+  const int threads = std::max(1, options_.http_threads);
+  const int64_t timeout_ms = std::max<int64_t>(
+      1, absl::ToInt64Milliseconds(options_.http_request_timeout));
+  std::vector<std::string> civetweb = {
+      "listening_ports",    where,
+      "num_threads",        absl::StrCat(threads),
+      "request_timeout_ms", absl::StrCat(timeout_ms),
+      "enable_keep_alive",  "no",
+  };
   try {
-    auto exposer = std::make_unique<prometheus::Exposer>(where, 1);
+    auto exposer = std::make_unique<prometheus::Exposer>(std::move(civetweb));
     exposer->RegisterCollectable(registry_);
     exposer->RegisterCollectable(stats_);
     std::vector<int> ports = exposer->GetListeningPorts();

@@ -23,6 +23,17 @@
 //  - `method_calls_total{method,code}`: calls per method and status code
 //    (OK, the handler's error code, CANCELLED).
 //
+// The HTTP server (civetweb, through prometheus-cpp's Exposer) serves each
+// connection on one of Options::http_threads worker threads, one request
+// per connection (no keep-alive). A connection that sends nothing, or its
+// request a byte at a time, holds its thread at most
+// Options::http_request_timeout and is then closed; so no peer silences the
+// endpoint: with k such sockets open (re-opened as they are closed) a scrape
+// waits at most about ceil((k + 1) / http_threads) x http_request_timeout
+// (tests/rpc:metrics_test holds 2 x http_threads of them while 10 of 10
+// scrapes succeed). The endpoint holds at most http_threads + 20 (civetweb's
+// connection_queue) sockets; more wait in the kernel's listen backlog.
+//
 // Threads: every member is callable from any thread; the observer runs on
 // the server's reactors, concurrently.
 #ifndef COVERBS_RPC_METRICS_H_
@@ -36,6 +47,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "rpc/server.h"
 
 namespace prometheus {
@@ -54,6 +66,15 @@ class ServerMetrics {
     std::vector<double> latency_buckets = {
         5e-6,  10e-6, 20e-6, 50e-6,  100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3,
         10e-3, 20e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,    2.5,  5.0,  10.0};
+    // Listen's HTTP server. Worker threads: connections served at once
+    // (civetweb's num_threads; at least 1).
+    int http_threads = 16;
+    // How long a connection may take to send its request (headers), from
+    // when a worker takes it, and the most one write of the response may
+    // wait for the peer to read (civetweb's request_timeout_ms; at least
+    // 1 ms). A scraper sends its request at once: this bounds what a silent
+    // or dripping peer costs.
+    absl::Duration http_request_timeout = absl::Seconds(2);
   };
   ServerMetrics();
   explicit ServerMetrics(Options options);

@@ -1,8 +1,9 @@
 // The listener under hostile peers, on the soft provider (raw TCP sockets
 // play the attacker): silent and half-sent handshakes delay nobody, the
-// pending-handshake cap evicts the oldest, a peer that completes the setup
-// and then says nothing is dropped at the accept deadline, and running out
-// of file descriptors never ends the listener.
+// pending-handshake cap evicts the oldest, the cap stays below the
+// descriptor limit, a peer that completes the setup and then says nothing
+// is dropped at the accept deadline, and running out of file descriptors
+// never ends the listener (the oldest pending handshake gives its up).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -360,6 +361,159 @@ TEST_F(ListenerTest, RunningOutOfFileDescriptorsNeverEndsTheListener) {
     if (took.ok()) {
       EXPECT_LT(*took, absl::Seconds(2));
     }
+    stop.request_stop();
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+// The cap on pending handshakes keeps fd_reserve descriptors (at most half
+// the limit) free under RLIMIT_NOFILE as it was at Create (issue #36: at
+// ulimit -n 1024 the default cap of 1,024 let silent peers take every
+// descriptor).
+TEST_F(ListenerTest, PendingCapStaysBelowTheDescriptorLimit) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    rlimit rl{};
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rlimit low = rl;
+    low.rlim_cur = 200;
+    if (setrlimit(RLIMIT_NOFILE, &low) != 0) {
+      ADD_FAILURE() << "setrlimit: " << strerror(errno);
+      co_return;
+    }
+    ListenerOptions lo;
+    lo.accept_timeout = absl::Seconds(30);  // the attackers stay pending
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0, lo);
+    ListenerOptions small_reserve = lo;
+    small_reserve.fd_reserve = 50;
+    auto ln2 = Listener::Create(*server_ctx_, "127.0.0.1", 0, small_reserve);
+    ListenerOptions small_cap = lo;
+    small_cap.max_pending_handshakes = 8;
+    auto ln3 = Listener::Create(*server_ctx_, "127.0.0.1", 0, small_cap);
+    EXPECT_EQ(setrlimit(RLIMIT_NOFILE, &rl), 0);
+    if (!ln.ok() || !ln2.ok() || !ln3.ok()) {
+      ADD_FAILURE() << ln.status() << ln2.status() << ln3.status();
+      co_return;
+    }
+    // 200 - min(256, 200 / 2); 200 - 50; the configured 8.
+    EXPECT_EQ((*ln)->max_pending_handshakes(), 100u);
+    EXPECT_EQ((*ln2)->max_pending_handshakes(), 150u);
+    EXPECT_EQ((*ln3)->max_pending_handshakes(), 8u);
+    (*ln2)->Close();
+    (*ln3)->Close();
+    // The cap holds (the limit is back up, the cap stays as computed).
+    const uint16_t port = (*ln)->port();
+    for (int i = 0; i < 120; ++i) {
+      int fd = RawConnect(port);
+      if (fd < 0) {
+        ADD_FAILURE() << "raw connect " << i << ": " << strerror(errno);
+        co_return;
+      }
+      raw_.push_back(fd);
+    }
+    for (int w = 0; w < 200 && (*ln)->stats().pending + (*ln)->stats().evicted <
+                                    120;
+         ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    Listener::Stats st = (*ln)->stats();
+    EXPECT_EQ(st.pending, 100u);
+    EXPECT_EQ(st.evicted, 20u);
+    EXPECT_EQ(st.evicted_for_fds, 0u);
+    (*ln)->Close();
+    co_await Sleep(absl::Milliseconds(50));
+  }());
+}
+
+// Out of descriptors with handshakes pending: accept's EMFILE drops the
+// oldest pending one, which gives its descriptor back, and the next
+// connection is taken with it.
+TEST_F(ListenerTest, OutOfDescriptorsTheOldestPendingHandshakeGivesItsUp) {
+  reactor_->BlockOn([&]() -> Task<void> {
+    ListenerOptions lo;
+    lo.accept_timeout = absl::Seconds(30);  // the attackers stay pending
+    auto ln = Listener::Create(*server_ctx_, "127.0.0.1", 0, lo);
+    if (!ln.ok()) {
+      ADD_FAILURE() << ln.status();
+      co_return;
+    }
+    std::vector<std::unique_ptr<Connection>> served;
+    std::stop_source stop;
+    reactor_->Spawn(Serve(ln->get(), &served), stop.get_token());
+    const uint16_t port = (*ln)->port();
+    for (int i = 0; i < 6; ++i) {
+      int fd = RawConnect(port);
+      if (fd < 0) {
+        ADD_FAILURE() << "raw connect " << i << ": " << strerror(errno);
+        co_return;
+      }
+      raw_.push_back(fd);
+    }
+    for (int w = 0; w < 100 && (*ln)->stats().pending < 6; ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    EXPECT_EQ((*ln)->stats().pending, 6u);
+    // Two client sockets made now (connected later: connecting takes no
+    // descriptor), then every descriptor of the process taken.
+    int shed = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int next = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (shed < 0 || next < 0) {
+      ADD_FAILURE() << "socket: " << strerror(errno);
+      co_return;
+    }
+    raw_.push_back(shed);
+    raw_.push_back(next);
+    std::vector<int> taken;
+    for (int fd; (fd = dup(0)) >= 0;) taken.push_back(fd);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    auto* addr = reinterpret_cast<sockaddr*>(&sa);
+    // The listener's accept fails with EMFILE: the connector closes the
+    // waiting connection (its spare descriptor), the listener drops the
+    // oldest pending handshake.
+    EXPECT_EQ(connect(shed, addr, sizeof(sa)), 0) << strerror(errno);
+    for (int w = 0; w < 200 && (*ln)->stats().evicted_for_fds == 0; ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    Listener::Stats st = (*ln)->stats();
+    EXPECT_GE(st.accept_errors, 1u);
+    EXPECT_EQ(st.evicted_for_fds, 1u);
+    EXPECT_EQ(st.evicted, 1u);
+    EXPECT_EQ(st.pending, 5u);
+    EXPECT_NE(st.last_reject_reason.find("free a descriptor"),
+              std::string::npos)
+        << st.last_reject_reason;
+    EXPECT_TRUE(ClosedByPeer(raw_[0], 2000));  // the oldest
+    EXPECT_FALSE(ClosedByPeer(raw_[1], 30));
+    EXPECT_TRUE(ClosedByPeer(shed, 2000));
+    // The descriptor it gave up takes the next connection, whose handshake
+    // is read and answered.
+    EXPECT_EQ(connect(next, addr, sizeof(sa)), 0) << strerror(errno);
+    std::string f = RequestFrame(ValidHandshake());
+    EXPECT_EQ(send(next, f.data(), f.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(f.size()));
+    pollfd p{next, POLLIN, 0};
+    for (int w = 0; w < 200 && poll(&p, 1, 0) == 0; ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    char answer[8] = {};
+    EXPECT_EQ(recv(next, answer, sizeof(answer), MSG_DONTWAIT), 8);
+    EXPECT_EQ(answer[4], 2) << "not an accept frame";  // kind 2: accept
+    // That took the free descriptor; the listener's next accept fails with
+    // EMFILE although nothing waits (Linux takes the descriptor before it
+    // looks for a connection), and the next oldest gives its up, so that
+    // one is in hand for the next connection.
+    for (int w = 0; w < 200 && (*ln)->stats().evicted_for_fds < 2; ++w) {
+      co_await Sleep(absl::Milliseconds(10));
+    }
+    st = (*ln)->stats();
+    EXPECT_EQ(st.evicted_for_fds, 2u);
+    EXPECT_EQ(st.pending, 4u);
+    EXPECT_TRUE(ClosedByPeer(raw_[1], 2000));
+    EXPECT_FALSE(ClosedByPeer(raw_[2], 30));
+    for (int fd : taken) close(fd);
     stop.request_stop();
     (*ln)->Close();
     co_await Sleep(absl::Milliseconds(50));

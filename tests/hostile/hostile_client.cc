@@ -19,6 +19,16 @@
 //                    never speak the queue-pair protocol, hold
 //   flood            N connections opened and closed one after another, each
 //                    sending garbage (a burst of short-lived bad peers)
+//   silent_reopen    N sockets connect and send nothing for the hold, each
+//                    re-opened as soon as the server closes it: N
+//                    descriptors pinned in the server for as long as it
+//                    lets them (issue #36: 1,100 of them against a server
+//                    at ulimit -n 1024). Raises its own descriptor limit.
+//   http_slowloris   for an HTTP port (the metrics endpoint): N sockets,
+//                    the even ones silent, the odd ones dripping a request
+//                    line and then header bytes, one byte per 100 ms, never
+//                    ending the headers; each re-opened as soon as the
+//                    server closes it, for the hold
 //   remote           N rounds of one connection per bad request after a
 //                    valid handshake (bad keys, ranges, access, SENDs the
 //                    server cannot take; hostile_remote.cc); exits 3 unless
@@ -35,8 +45,10 @@
 // 1 on a local failure (socket, flags); 2 on bad usage.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -160,6 +172,122 @@ void HoldAndReport(std::vector<int>& fds, const Options& o,
   fds.clear();
 }
 
+// A non-blocking connect started (or done) to o.address:o.port, or -errno.
+int DialAsync(const Options& o) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -errno;
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(o.port);
+  if (inet_pton(AF_INET, o.address.c_str(), &sa.sin_addr) != 1) {
+    close(fd);
+    return -EINVAL;
+  }
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 &&
+      errno != EINPROGRESS) {
+    int e = errno;
+    close(fd);
+    return -e;
+  }
+  return fd;
+}
+
+// silent_reopen and http_slowloris: o.count sockets kept open for o.hold,
+// each re-opened once the server closes it (or its connect fails).
+int RunHeldOpen(const Options& o) {
+  const bool http = o.mode == "http_slowloris";
+  // The sockets, plus a few: raise the soft limit as far as the hard one.
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 &&
+      rl.rlim_cur < static_cast<rlim_t>(o.count) + 64) {
+    rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, o.count + 64);
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  // Never ends its headers: the request line, then one header line after
+  // another.
+  const std::string drip =
+      "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+      std::string(8000, 'x');
+  struct Slot {
+    int fd = -1;
+    size_t sent = 0;  // drip bytes sent on this socket
+  };
+  std::vector<Slot> slots(o.count);
+  int opened = 0, closed_by_server = 0, dial_errors = 0;
+  std::string last_error;
+  auto open_slot = [&](Slot& s) {
+    s.sent = 0;
+    s.fd = DialAsync(o);
+    if (s.fd < 0) {
+      ++dial_errors;
+      last_error = std::strerror(-s.fd);
+      s.fd = -1;
+    } else {
+      ++opened;
+    }
+  };
+  for (Slot& s : slots) open_slot(s);
+  std::printf("hostile_client: mode %s, %d sockets opened, %d connects failed\n",
+              o.mode.c_str(), opened, dial_errors);
+  std::fflush(stdout);
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + o.hold;
+  auto next_drip = Clock::now();
+  int max_open = 0;
+  std::vector<pollfd> ps;
+  std::vector<size_t> idx;
+  while (Clock::now() < until) {
+    ps.clear();
+    idx.clear();
+    int open_now = 0;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].fd < 0) continue;
+      ++open_now;
+      ps.push_back({slots[i].fd, POLLIN, 0});
+      idx.push_back(i);
+    }
+    max_open = std::max(max_open, open_now);
+    const int r = poll(ps.data(), ps.size(), 20);
+    for (size_t k = 0; r > 0 && k < ps.size(); ++k) {
+      if (!(ps[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Slot& s = slots[idx[k]];
+      char buf[4096];
+      ssize_t n = recv(s.fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))) {
+        continue;  // an answer (or nothing yet): keep holding
+      }
+      close(s.fd);
+      s.fd = -1;
+      ++closed_by_server;
+    }
+    if (http && Clock::now() >= next_drip) {
+      next_drip = Clock::now() + std::chrono::milliseconds(100);
+      for (size_t i = 1; i < slots.size(); i += 2) {
+        Slot& s = slots[i];
+        if (s.fd < 0 || s.sent >= drip.size()) continue;
+        if (send(s.fd, drip.data() + s.sent, 1, MSG_NOSIGNAL) == 1) ++s.sent;
+      }
+    }
+    // Re-open what the server closed (or what failed to connect).
+    for (Slot& s : slots) {
+      if (s.fd < 0) open_slot(s);
+    }
+  }
+  for (Slot& s : slots) {
+    if (s.fd >= 0) close(s.fd);
+  }
+  std::printf("  %5d  sockets opened in all (re-opened ones included)\n",
+              opened);
+  std::printf("  %5d  closed by the server during the hold\n",
+              closed_by_server);
+  std::printf("  %5d  most open at once\n", max_open);
+  if (dial_errors > 0) {
+    std::printf("  %5d  connects failed (last: %s)\n", dial_errors,
+                last_error.c_str());
+  }
+  return opened == 0 && o.count > 0 ? 1 : 0;
+}
+
 }  // namespace
 
 int RunTcp(const Options& o) {
@@ -171,6 +299,9 @@ int RunTcp(const Options& o) {
   };
   const std::string request = Frame(kRequest, ValidHandshake());
   if (o.mode == "remote") return RunRemote(o, Dial, request);
+  if (o.mode == "silent_reopen" || o.mode == "http_slowloris") {
+    return RunHeldOpen(o);
+  }
   std::map<std::string, int> outcome;
   std::vector<int> fds;
   int dial_errors = 0;

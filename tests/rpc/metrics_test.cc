@@ -1,14 +1,23 @@
 // rpc::ServerMetrics against a real server and client (soft provider,
 // loopback): per-method histograms and codes count exactly the calls made,
 // the server's counters are exported, and /metrics is served over HTTP
-// (scraped with curl).
+// (scraped with curl), also while peers hold idle or dripping sockets on it
+// (issue #36, point 3).
 #include "rpc/metrics.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -156,6 +165,143 @@ TEST(ServerMetricsTest, ExportsCallsPerMethodAndServerCounters) {
   server.reset();
   worker->reset();
   pool->reset();
+}
+
+// `count` sockets on 127.0.0.1:port, held until destroyed: the even ones
+// silent, the odd ones sending a request line and then header bytes, one
+// byte per 50 ms, never ending the headers. Each is re-opened as soon as
+// the server closes it, so that `count` stay open.
+class Slowloris {
+ public:
+  Slowloris(uint16_t port, int count) : port_(port), fds_(count, -1) {
+    for (size_t i = 0; i < fds_.size(); ++i) Open(i);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Slowloris() {
+    stop_.store(true);
+    thread_.join();
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  int opened() const { return opened_.load(); }
+
+ private:
+  void Open(size_t i) {
+    sent_[i] = 0;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port_);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 &&
+        connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+      close(fd);
+      fd = -1;
+    }
+    fds_[i] = fd;
+    if (fd >= 0) opened_.fetch_add(1);
+  }
+  void Run() {
+    const std::string drip =
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+        std::string(4000, 'x');
+    auto next_drip = std::chrono::steady_clock::now();
+    while (!stop_.load()) {
+      for (size_t i = 0; i < fds_.size(); ++i) {
+        if (fds_[i] < 0) {
+          Open(i);
+          continue;
+        }
+        pollfd p{fds_[i], POLLIN, 0};
+        char buf[1024];
+        if (poll(&p, 1, 0) == 1 &&
+            recv(fds_[i], buf, sizeof(buf), MSG_DONTWAIT) <= 0) {
+          close(fds_[i]);  // closed by the server: open another
+          Open(i);
+        }
+      }
+      if (std::chrono::steady_clock::now() >= next_drip) {
+        next_drip += std::chrono::milliseconds(50);
+        for (size_t i = 1; i < fds_.size(); i += 2) {
+          if (fds_[i] >= 0 && sent_[i] < drip.size() &&
+              send(fds_[i], drip.data() + sent_[i], 1, MSG_NOSIGNAL) == 1) {
+            ++sent_[i];
+          }
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+  const uint16_t port_;
+  std::vector<int> fds_;
+  std::vector<size_t> sent_ = std::vector<size_t>(fds_.size(), 0);
+  std::atomic<bool> stop_{false};
+  std::atomic<int> opened_{0};
+  std::thread thread_;
+};
+
+// Scrapes /metrics `n` times with curl (each bounded by `max_s`); the
+// number that succeeded and each one's time.
+int Scrapes(uint16_t port, int n, int max_s, std::vector<int64_t>* ms) {
+  int ok = 0;
+  for (int i = 0; i < n; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    const std::string out = RunCommand(
+        absl::StrCat("curl -sS --max-time ", max_s, " http://127.0.0.1:",
+                     port, "/metrics 2>&1"));
+    ms->push_back(std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count());
+    if (absl::StrContains(out, "coverbs_rpc_server_call_duration_seconds")) {
+      ++ok;
+    }
+  }
+  return ok;
+}
+
+// Issue #36: one idle socket on the metrics port used to stop every scrape
+// (the exposer had one thread and civetweb's 30 s request timeout). With
+// the default options a few idle sockets cost nothing.
+TEST(ServerMetricsTest, IdleSocketsDoNotStopScrapes) {
+  ServerMetrics metrics;
+  metrics.Observer()(CallRecord{.method = "Echo", .method_id = 1});
+  ASSERT_TRUE(metrics.Listen("127.0.0.1", 0).ok());
+  Slowloris idle(metrics.port(), 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<int64_t> ms;
+  EXPECT_EQ(Scrapes(metrics.port(), 10, 5, &ms), 10);
+  for (int64_t t : ms) EXPECT_LT(t, 2000);
+  std::printf("2 idle sockets: scrapes took (ms):");
+  for (int64_t t : ms) std::printf(" %lld", static_cast<long long>(t));
+  std::printf("\n");
+}
+
+// More idle and dripping sockets than worker threads, re-opened as the
+// server closes them: each holds a thread at most http_request_timeout, so
+// every scrape still succeeds, after at most about
+// ceil((k + 1) / http_threads) x http_request_timeout.
+TEST(ServerMetricsTest, SlowlorisBeyondTheThreadsDelaysScrapesBoundedly) {
+  ServerMetrics::Options o;
+  o.http_threads = 4;
+  o.http_request_timeout = absl::Milliseconds(300);
+  ServerMetrics metrics(o);
+  metrics.Observer()(CallRecord{.method = "Echo", .method_id = 1});
+  ASSERT_TRUE(metrics.Listen("127.0.0.1", 0).ok());
+  constexpr int kSockets = 8;  // 2 x http_threads
+  Slowloris attack(metrics.port(), kSockets);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<int64_t> ms;
+  EXPECT_EQ(Scrapes(metrics.port(), 10, 5, &ms), 10);
+  // ceil(9 / 4) x 300 ms = 900 ms; generous for a loaded host.
+  for (int64_t t : ms) EXPECT_LT(t, 3000);
+  // The server did close them: they were re-opened.
+  EXPECT_GT(attack.opened(), kSockets);
+  std::printf("%d slowloris sockets, %d opened in all: scrapes took (ms):",
+              kSockets, attack.opened());
+  for (int64_t t : ms) std::printf(" %lld", static_cast<long long>(t));
+  std::printf("\n");
 }
 
 TEST(ServerMetricsTest, ListenFailsOnABusyPort) {

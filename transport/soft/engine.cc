@@ -38,12 +38,48 @@ uint64_t InData(uint64_t id, uint8_t gen) {
 }
 uint64_t OutData(uint64_t id) { return (id << 8) | kTagOut; }
 
+}  // namespace
+
+// An engine's descriptors: its io_uring and the eventfd that wakes it.
+struct Engine::Rings {
+  io_uring ring{};
+  int wake_fd = -1;
+
+  static absl::StatusOr<Rings> Make() {
+    Rings r;
+    int rc = io_uring_queue_init(256, &r.ring, 0);
+    if (rc < 0) {
+      return absl::InternalError(absl::StrFormat(
+          "soft: io_uring_queue_init for the progress thread: %s",
+          strerror(-rc)));
+    }
+    r.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (r.wake_fd < 0) {
+      const int err = errno;
+      io_uring_queue_exit(&r.ring);
+      return absl::InternalError(absl::StrFormat(
+          "soft: eventfd for the progress thread: %s", strerror(err)));
+    }
+    return r;
+  }
+  static void Close(Rings& r) {
+    io_uring_queue_exit(&r.ring);
+    close(r.wake_fd);
+  }
+};
+
+namespace {
+
 struct Global {
   std::mutex mu;
   std::condition_variable cv;
   std::weak_ptr<Engine> engine;
   bool alive = false;  // an engine exists (possibly shutting down)
   bool atexit_registered = false;
+  // The descriptor reserve (Engine::HoldReserve): its holders, and the next
+  // engine's descriptors while no engine runs.
+  int reserve_holders = 0;
+  std::unique_ptr<Engine::Rings> spare;
 };
 
 Global& G() {
@@ -68,15 +104,29 @@ absl::StatusOr<std::shared_ptr<Engine>> Engine::Get() {
   if (std::shared_ptr<Engine> e = g.engine.lock()) return e;
   // One progress thread at a time: wait for a previous engine to finish.
   g.cv.wait(lock, [&] { return !g.alive; });
+  // The reserve's descriptors, else new ones.
+  absl::StatusOr<Rings> rings = absl::UnknownError("");
+  if (g.spare != nullptr) {
+    rings = std::move(*g.spare);
+    g.spare.reset();
+  } else {
+    rings = Rings::Make();
+    if (!rings.ok()) return rings.status();
+  }
   std::shared_ptr<Engine> e(new Engine(), [](Engine* p) {
-    delete p;
+    delete p;  // closes its descriptors
     Global& g = G();
     std::lock_guard<std::mutex> lock(g.mu);
     g.alive = false;
+    // The next engine's, made now that this one's are closed.
+    if (g.reserve_holders > 0 && g.spare == nullptr) {
+      absl::StatusOr<Rings> next = Rings::Make();
+      if (next.ok()) g.spare = std::make_unique<Rings>(*std::move(next));
+    }
     g.cv.notify_all();
   });
   g.alive = true;
-  absl::Status s = e->Start();
+  absl::Status s = e->Start(*std::move(rings));
   if (!s.ok()) {
     lock.unlock();
     return s;
@@ -89,19 +139,28 @@ absl::StatusOr<std::shared_ptr<Engine>> Engine::Get() {
   return e;
 }
 
-absl::Status Engine::Start() {
-  int rc = io_uring_queue_init(256, &ring_, 0);
-  if (rc < 0) {
-    return absl::InternalError(absl::StrFormat(
-        "soft: io_uring_queue_init for the progress thread: %s",
-        strerror(-rc)));
+void Engine::HoldReserve() {
+  Global& g = G();
+  std::lock_guard<std::mutex> lock(g.mu);
+  ++g.reserve_holders;
+  if (g.spare == nullptr && !g.alive) {
+    absl::StatusOr<Rings> r = Rings::Make();
+    if (r.ok()) g.spare = std::make_unique<Rings>(*std::move(r));
   }
+}
+
+void Engine::DropReserve() {
+  Global& g = G();
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (--g.reserve_holders > 0 || g.spare == nullptr) return;
+  Rings::Close(*g.spare);
+  g.spare.reset();
+}
+
+absl::Status Engine::Start(Rings rings) {
+  ring_ = rings.ring;  // liburing's handle: plain data, no self-references
   ring_ok_ = true;
-  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake_fd_ < 0) {
-    return absl::InternalError(absl::StrFormat(
-        "soft: eventfd for the progress thread: %s", strerror(errno)));
-  }
+  wake_fd_ = rings.wake_fd;
   discard_ = std::make_unique<char[]>(kDiscardSize);
   thread_ = std::thread([this] { Loop(); });
   return absl::OkStatus();

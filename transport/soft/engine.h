@@ -6,7 +6,9 @@
 // the end of its loop iteration, see qp_core.h's BeginPostBatch); it watches sockets with io_uring polls, serves
 // receive and transmit on them with non-blocking syscalls, runs the RNR and
 // close timers and produces every completion. It is created by the first QP
-// and joined when the last reference goes away (or at process exit).
+// and joined when the last reference goes away (or at process exit). Its
+// descriptors (an io_uring and an eventfd) are made ahead of it: see
+// HoldReserve.
 #ifndef COVERBS_TRANSPORT_SOFT_ENGINE_H_
 #define COVERBS_TRANSPORT_SOFT_ENGINE_H_
 
@@ -31,6 +33,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
  public:
   // The process's engine, started on first use.
   static absl::StatusOr<std::shared_ptr<Engine>> Get();
+
+  // The descriptor reserve: while any holder remains (each soft provider,
+  // from creation to destruction), the io_uring and eventfd of the next
+  // engine exist whenever no engine runs -- made by HoldReserve, and by an
+  // engine that ends right after it closed its own -- and Get starts the
+  // engine on them. So a peer that makes the process run out of
+  // descriptors (EMFILE) cannot keep a later connection from getting a QP:
+  // the first QP no longer creates them. (Best effort: if they cannot be
+  // made then, Get makes them as before.) DropReserve by the last holder
+  // closes them.
+  static void HoldReserve();
+  static void DropReserve();
+  struct Rings;  // an engine's descriptors (engine.cc)
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -68,7 +83,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
  private:
   Engine() = default;
-  absl::Status Start();
+  absl::Status Start(Rings rings);
   void Loop();
   void ReapCqes();
   bool DrainInbox();

@@ -343,7 +343,11 @@ class SoftProvider : public Provider {
   SoftProvider() : ctx_(std::make_shared<Context>()) {
     absl::StatusOr<std::shared_ptr<AsyncQueue>> q = AsyncQueue::Create();
     if (q.ok()) ctx_->async = *std::move(q);
+    // The progress thread's descriptors, made now rather than by the first
+    // QP (Engine::HoldReserve).
+    Engine::HoldReserve();
   }
+  ~SoftProvider() override { Engine::DropReserve(); }
 
   const DeviceCaps& caps() const override { return ctx_->caps; }
 

@@ -17,7 +17,9 @@
 namespace coverbs::transport {
 
 // Opens the soft provider (device "soft0"). Never fails: the progress thread
-// starts with the first QP.
+// starts with the first QP, on descriptors (its io_uring and eventfd) the
+// provider has made ahead of it, so that running out of descriptors later
+// cannot stop it (Engine::HoldReserve in engine.h).
 std::unique_ptr<Provider> CreateSoftProvider();
 
 namespace soft {

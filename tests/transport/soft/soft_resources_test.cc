@@ -6,8 +6,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -232,6 +237,83 @@ TEST_F(SoftResourcesTest, EngineStopsAndRestarts) {
     EXPECT_EQ(PollOne(cq_b_.get()).status, IBV_WC_SUCCESS);
     EXPECT_EQ(got, 40u + i);
     pair_ = QpPair();  // last QP gone: the progress thread is joined
+  }
+}
+
+// Threads of this process named coverbs-soft (the progress thread).
+int ProgressThreads() {
+  int n = 0;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name == "coverbs-soft") ++n;
+  }
+  return n;
+}
+
+// The progress thread's io_uring and eventfd are made ahead of it, by the
+// provider and again by each engine that ends: a process that has run out
+// of descriptors (EMFILE) still gets QPs on the sockets it holds, also
+// after an earlier progress thread ended. (They used to be made by the
+// first QP, which then failed with "io_uring_queue_init for the progress
+// thread: Too many open files".)
+TEST(SoftEngineTest, QpsAfterDescriptorsRanOut) {
+  auto provider = CreateSoftProvider();
+  auto pd = provider->AllocPd();
+  ASSERT_TRUE(pd.ok()) << pd.status();
+  auto cq = provider->CreateCq(64);
+  ASSERT_TRUE(cq.ok()) << cq.status();
+  uint32_t got = 0;
+  auto mr = (*pd)->RegisterMemory(&got, 4, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  QpInit init;
+  init.send_cq = init.recv_cq = cq->get();
+  init.max_send_wr = 16;
+  init.max_recv_wr = 16;
+  init.max_send_sge = 1;
+  init.max_recv_sge = 1;
+  init.max_inline_data = 16;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    // No progress thread: none yet, then the first one ended with its QPs.
+    for (int w = 0; w < 500 && ProgressThreads() > 0; ++w) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_EQ(ProgressThreads(), 0);
+    int sv[2];
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    // Every descriptor taken.
+    std::vector<int> taken;
+    for (;;) {
+      int fd = dup(sv[0]);
+      if (fd < 0) {
+        ASSERT_EQ(errno, EMFILE) << std::strerror(errno);
+        break;
+      }
+      taken.push_back(fd);
+      ASSERT_LT(taken.size(), 1u << 20) << "no descriptor limit";
+    }
+    auto a = CreateQpOnSocket(pd->get(), init, sv[0]);
+    auto b = CreateQpOnSocket(pd->get(), init, sv[1]);
+    for (int fd : taken) close(fd);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    // And they work: a SEND from a to b.
+    got = 0;
+    ibv_sge r = Sge(&got, 4, (*mr)->lkey());
+    ASSERT_TRUE(PostRecv1(b->get(), 1, &r, 1).ok());
+    uint32_t v = 77 + round;
+    ibv_sge s = Sge(&v, 4, 0);
+    ASSERT_TRUE(PostSend1(a->get(), 2, IBV_WR_SEND, &s, 1,
+                          IBV_SEND_SIGNALED | IBV_SEND_INLINE)
+                    .ok());
+    EXPECT_EQ(PollOne(cq->get()).status, IBV_WC_SUCCESS);
+    EXPECT_EQ(PollOne(cq->get()).status, IBV_WC_SUCCESS);
+    EXPECT_EQ(got, 77u + round);
+    EXPECT_EQ(ProgressThreads(), 1);
+    a->reset();  // the last QPs: the progress thread ends
+    b->reset();
   }
 }
 
