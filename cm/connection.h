@@ -92,6 +92,38 @@ struct ConnectionOptions {
   bool landing_windows = true;
   // Largest message accepted or sent (announced in the handshake).
   uint64_t max_message_size = 64ull << 20;
+  // Rendezvous receive budget (cm/README.md, "Memory per connection"): the
+  // memory of the peer's large messages this side holds before its
+  // application takes them with Recv -- buffers granted and awaiting their
+  // DONE, finished ones waiting behind an earlier one, and ones queued for
+  // Recv -- each counted as its block (the message's size rounded up to a
+  // power of two, at least 4 KiB: what it maps). Messages the application
+  // took are its own. A rendezvous request (RTS) that would go beyond it
+  // is answered later: its CTS is deferred until enough was received and
+  // taken, and the message keeps its place in the arrival order. A
+  // conforming sender just waits (it has at most 4 requests waiting for
+  // their CTS; its further Sends wait in their turn, as for a credit). A
+  // peer with more deferred requests than that breaks the protocol: the
+  // connection ends ("protocol violation by the peer: rendezvous budget:
+  // ..."). When nothing is held one message is always granted, so every
+  // message up to max_message_size goes whatever the budget. Default
+  // 256 MiB: four messages of the default max_message_size, as many as a
+  // sender's 4 requests ask for, so such a sender's pipeline stays full
+  // while the application keeps up; fixed rather than a multiple of
+  // max_message_size, so that raising the largest message does not raise
+  // what every connection may pin. Landing buffers are counted apart
+  // (landing_buffers x landing_buffer_size).
+  uint64_t rendezvous_budget = 256ull << 20;
+  // A peer that got a CTS must finish that transfer (the WRITEs and DONE,
+  // or WRITE_WITH_IMM) within this long, or the connection ends
+  // ("protocol violation by the peer: peer sent no DONE for rendezvous N
+  // within 30s of its CTS"): its buffer would stay pinned, and every
+  // message after it undeliverable, for as long as the peer likes. A
+  // conforming sender posts the WRITEs and DONE as soon as the CTS
+  // arrives, so only the transfer itself (at most rendezvous_budget bytes
+  // queued ahead of it) and the transport's retries count. Zero or
+  // infinite: no deadline.
+  absl::Duration rendezvous_done_timeout = absl::Seconds(30);
   // Send-queue depth: work requests posted at once (more wait, FIFO).
   // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
   // its Worker's CQ (WorkerOptions::cq_entries). 0: 64, or 16 with use_srq
@@ -379,6 +411,23 @@ class Connection {
     // and follows the peer's demand.
     uint32_t recv_window = 0;
     uint32_t recv_window_peak = 0;
+    // The rendezvous budget (ConnectionOptions::rendezvous_budget),
+    // receiver side. Bytes of the peer's large messages held now (granted
+    // and awaiting DONE, or received and not yet taken by Recv; each as
+    // its buffer's block), and the most ever held.
+    uint64_t rendezvous_bytes_held = 0;
+    uint64_t rendezvous_bytes_held_peak = 0;
+    // Requests whose CTS was deferred because the budget was spent (a
+    // conforming sender waited); requests refused because no memory or
+    // registration could be had (the sender's Send failed).
+    uint64_t rendezvous_deferred = 0;
+    uint64_t rendezvous_refused = 0;
+    // 1 when the connection ended because the peer broke the budget (more
+    // unanswered requests than a sender may have) or sent no DONE within
+    // rendezvous_done_timeout; summed over connections they count such
+    // peers.
+    uint64_t rendezvous_budget_violations = 0;
+    uint64_t rendezvous_done_timeouts = 0;
   };
   Stats stats() const;
 

@@ -137,6 +137,10 @@ absl::Status ConnectionImpl::Init() {
         options_.landing_buffers, options_.landing_buffer_size));
   }
   landing_windows_ = options_.landing_windows && qp_->caps().memory_windows;
+  if (options_.rendezvous_budget == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, ": rendezvous_budget must be at least 1 byte"));
+  }
   if (options_.max_message_size == 0 ||
       options_.max_message_size > kMaxWireLength) {
     return absl::InvalidArgumentError(
@@ -409,9 +413,13 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
   granted_.clear();
   grants_unsent_ = 0;
   grants_.clear();
-  // Rendezvous that will never finish.
+  // Rendezvous that will never finish (the QP is in the error state: the
+  // peer writes their buffers no more), and requests never answered.
+  rdv_wake_.Set();
+  rdv_deferred_ = 0;
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     if (!it->ready) {
+      if (it->large != nullptr) rdv_held_ -= Pinned(it->size);
       delete it->large;
       it = incoming_.erase(it);
     } else {

@@ -47,9 +47,15 @@ static_assert(std::endian::native == std::endian::little,
 struct Incoming {
   Message msg;
   bool ready = false;
+  // A rendezvous request whose CTS waits for the budget (rendezvous.cc):
+  // no buffer yet (`large` is null), `size` bytes announced.
+  bool deferred = false;
   uint32_t cookie = 0;
   LargeBuffer* large = nullptr;
-  bool dropped = false;  // aborted by the sender
+  uint32_t size = 0;  // rendezvous: the announced size
+  // Granted rendezvous: its DONE must have come by then
+  // (ConnectionOptions::rendezvous_done_timeout).
+  SteadyTime done_by{};
 };
 
 // The deliverable messages, in arrival order: a ring that doubles when
@@ -67,15 +73,22 @@ class MessageQueue {
   void clear() {
     while (!empty()) pop_front();
   }
+  // Messages ever pushed and popped: the i-th pushed (from 0) has been
+  // taken once popped() > i (the rendezvous budget learns this way which
+  // large messages Recv took, without a step on the pop).
+  uint64_t pushed() const { return tail_; }
+  uint64_t popped() const { return head_; }
 
  private:
   void Grow() {
+    // Keeps head_ and tail_ (pushed/popped count on): each message moves
+    // to its index's slot in the bigger ring.
     std::vector<Message> bigger(std::max<size_t>(16, buf_.size() * 2));
-    size_t n = 0;
-    while (!empty()) bigger[n++] = pop_front();
+    for (uint64_t i = head_; i != tail_; ++i) {
+      bigger[i & (bigger.size() - 1)] =
+          std::move(buf_[i & (buf_.size() - 1)]);
+    }
     buf_ = std::move(bigger);
-    head_ = 0;
-    tail_ = n;
   }
   std::vector<Message> buf_;  // a power of two long (or empty)
   uint64_t head_ = 0;         // next to pop; both count up, index & mask
@@ -184,6 +197,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
     Connection::Stats st = stats_;
     st.recv_window = RecvWindow();
     st.recv_window_peak = std::max(window_peak_, st.recv_window);
+    st.rendezvous_bytes_held = RendezvousHeld();
     return st;
   }
   const ConnectionOptions& options() const { return options_; }
@@ -271,6 +285,32 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool OnCts(RecvSlot* slot, const WireHeader& h);
   bool OnDone(const WireHeader& h);
   void OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc);
+  // The rendezvous budget (ConnectionOptions::rendezvous_budget),
+  // rendezvous.cc. rdv_held_ counts the bytes of the peer's large messages
+  // from their grant until Recv takes them; those Pump put in ready_ are
+  // listed in rdv_ready_ and leave the count lazily (SettleReady), once
+  // ready_.popped() passed them -- so Recv's path has no step for it.
+  void SettleReady();
+  uint64_t RendezvousHeld() const;  // rdv_held_ less what Recv took
+  // What a rendezvous of `size` bytes pins, and counts against the budget:
+  // its buffer's block (a power of two, at least 4 KiB).
+  static uint64_t Pinned(uint32_t size) {
+    return LargeMemoryCache::BlockSize(size);
+  }
+  // Whether a rendezvous of `size` bytes may be granted now.
+  bool FitsBudget(uint32_t size);
+  // Gives `in` (a rendezvous request in incoming_) a buffer and sends its
+  // CTS; false when no buffer could be had: the CTS said REFUSED and the
+  // caller removes `in`.
+  bool GrantRendezvous(Incoming& in);
+  // Grants the deferred requests, oldest first, while they fit.
+  void GrantDeferred();
+  // Starts RendezvousWatch unless it runs (then wakes it when requests
+  // are deferred: it polls for what Recv takes).
+  void WatchRendezvous();
+  // While rendezvous are granted or deferred: ends the connection when a
+  // DONE is overdue, and grants deferred requests as Recv takes messages.
+  Task<void> RendezvousWatch();
   // Landing buffers (landing.cc). Receiver: a kLanded message, and keeping
   // options_.landing_buffers granted once the peer sends medium messages.
   // Sender: the grants a credit message carries.
@@ -490,6 +530,17 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   uint64_t rx_count_ = 0;
   Event keepalive_wake_{false};
   std::deque<PendingRts*> pending_rts_;
+  // Receiver side of the rendezvous budget (see SettleReady): bytes held,
+  // requests deferred, the large messages in ready_ by their index there.
+  struct ReadyLarge {
+    uint64_t index;
+    uint64_t bytes;  // Pinned(size)
+  };
+  uint64_t rdv_held_ = 0;
+  uint32_t rdv_deferred_ = 0;
+  std::deque<ReadyLarge> rdv_ready_;
+  bool rdv_watch_running_ = false;
+  Event rdv_wake_{false};  // wakes RendezvousWatch (Fail sets it too)
   uint32_t next_cookie_ = 1;
   std::vector<uint32_t> abandoned_;  // RTS cookies whose Send gave up
   uint64_t peer_max_ = 0;

@@ -9,6 +9,7 @@
 #include "cm/connection.h"
 #include "cm/connection_impl.h"
 #include "cm/wire.h"
+#include "core/task.h"
 
 namespace coverbs::cm::internal {
 
@@ -28,6 +29,23 @@ class ConnectionTestPeer {
   }
   static bool LandingWindows(const Connection& c) {
     return c.impl_->landing_windows_;
+  }
+  // A sender that asks for a rendezvous and never finishes it: posts an
+  // RTS for `size` bytes from `c` (in its send turn, with the credits a
+  // Send takes) and lets `pr` take its CTS, which nobody acts on -- no
+  // WRITE, no DONE. `pr` must outlive `c`'s end (its failure sets it).
+  static Task<absl::Status> RequestOnly(Connection& c, PendingRts& pr,
+                                        uint32_t size) {
+    ConnectionImpl& impl = *c.impl_;
+    auto buf = co_await impl.AcquireSend();
+    if (!buf.ok()) co_return buf.status();
+    pr.cookie = impl.next_cookie_++;
+    co_return co_await impl.PostRts(pr, size, *buf);
+  }
+  // Lets `c` have `n` more RTS waiting for their CTS than the protocol
+  // allows (kCtsReserve): a sender that ignores the rule.
+  static void WidenRtsWindow(Connection& c, size_t n) {
+    c.impl_->rts_window_.Release(n);
   }
 };
 

@@ -63,6 +63,11 @@ class LargeMemoryCache {
   // memory could be mapped. Every block from Get goes back through Put.
   Block Get(size_t size);
   void Put(Block b);
+  // The capacity Get(size) gives: `size` rounded up to a power of two, at
+  // least 4 KiB (what a rendezvous of `size` bytes pins).
+  static size_t BlockSize(size_t size) {
+    return size_t{1} << (ClassOf(size) + kMinShift);
+  }
 
   size_t idle_bytes() const;
   // Bytes of the blocks out of Get and not yet Put.

@@ -200,6 +200,9 @@ void ConnectionImpl::Pump() {
       in.msg.data_ = in.large->mem;
       in.msg.size_ = in.large->size;
       in.msg.owner_ = in.large;
+      // Held against the budget until Recv takes it (SettleReady).
+      rdv_ready_.push_back({ready_.pushed(), Pinned(in.size)});
+      if (rdv_deferred_ > 0) WatchRendezvous();
     }
     ready_.push_back(std::move(in.msg));
     ready_count_.Release(1);

@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "cm/connection_impl.h"
+#include "cm/worker_shared.h"
 
 namespace coverbs::cm::internal {
 
@@ -226,6 +229,66 @@ LargeBuffer* ConnectionImpl::NewRendezvousBuffer(uint32_t length) {
   return nullptr;
 }
 
+// The budget. A request is granted at once when none waits before it and
+// its bytes fit; else it keeps its place in incoming_ as a deferred entry
+// and GrantDeferred answers it once enough was received and taken. CTS
+// messages answer requests in their order (the sender matches them to
+// its oldest request), so nothing overtakes a deferred request.
+
+void ConnectionImpl::SettleReady() {
+  const uint64_t taken = ready_.popped();
+  while (!rdv_ready_.empty() && rdv_ready_.front().index < taken) {
+    rdv_held_ -= rdv_ready_.front().bytes;
+    rdv_ready_.pop_front();
+  }
+}
+
+uint64_t ConnectionImpl::RendezvousHeld() const {
+  uint64_t held = rdv_held_;
+  const uint64_t taken = ready_.popped();
+  for (const ReadyLarge& r : rdv_ready_) {
+    if (r.index >= taken) break;
+    held -= r.bytes;
+  }
+  return held;
+}
+
+bool ConnectionImpl::FitsBudget(uint32_t size) {
+  SettleReady();
+  // With nothing held, one message goes whatever the budget: a message up
+  // to max_message_size is never refused for it.
+  return rdv_held_ == 0 ||
+         rdv_held_ + Pinned(size) <= options_.rendezvous_budget;
+}
+
+bool ConnectionImpl::GrantRendezvous(Incoming& in) {
+  std::vector<std::byte> cts(kCtsSize);
+  // Out of memory or registrations: the sender's Send fails, not the
+  // connection.
+  LargeBuffer* lb = NewRendezvousBuffer(in.size);
+  if (lb == nullptr) {
+    ++stats_.rendezvous_refused;
+    SpawnInternal(SendCts(in.cookie, kFlagRefused, std::move(cts)));
+    return false;
+  }
+  CtsPayload p{reinterpret_cast<uint64_t>(lb->mem), lb->mr.rkey(), 0};
+  std::memcpy(cts.data(), &p, kCtsSize);
+  in.large = lb;
+  in.deferred = false;
+  rdv_held_ += Pinned(in.size);
+  stats_.rendezvous_bytes_held_peak =
+      std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
+  const absl::Duration timeout = options_.rendezvous_done_timeout;
+  const bool timed =
+      timeout > absl::ZeroDuration() && timeout != absl::InfiniteDuration();
+  if (timed) {
+    in.done_by = SteadyAfter(timeout);
+    WatchRendezvous();
+  }
+  SpawnInternal(SendCts(in.cookie, 0, std::move(cts)));
+  return true;
+}
+
 bool ConnectionImpl::OnRts(const WireHeader& h) {
   if (h.length > options_.max_message_size) {
     Protocol(absl::StrFormat("rendezvous of %d bytes exceeds our maximum %d",
@@ -238,36 +301,147 @@ bool ConnectionImpl::OnRts(const WireHeader& h) {
   // The peer sends medium messages: from now on keep landing buffers
   // granted so that the next ones skip this round trip.
   NoteMediumSize(h.length);
-  std::vector<std::byte> cts(kCtsSize);
-  uint16_t flags = 0;
-  // Out of memory or registrations: the sender's Send fails, not the
-  // connection.
-  LargeBuffer* lb = NewRendezvousBuffer(h.length);
-  if (lb == nullptr) {
-    flags = kFlagRefused;
-  } else {
-    CtsPayload p{reinterpret_cast<uint64_t>(lb->mem), lb->mr.rkey(), 0};
-    std::memcpy(cts.data(), &p, kCtsSize);
-    Incoming in;
-    in.cookie = h.cookie;
-    in.large = lb;
+  Incoming in;
+  in.cookie = h.cookie;
+  in.size = h.length;
+  if (rdv_deferred_ == 0 && FitsBudget(h.length)) {
     incoming_.push_back(std::move(in));
+    if (!GrantRendezvous(incoming_.back())) incoming_.pop_back();
+    return true;
   }
-  SpawnInternal(SendCts(h.cookie, flags, std::move(cts)));
+  // Over budget: the CTS waits. A sender has at most kCtsReserve requests
+  // waiting for their CTS, and deferred ones are among them: one more is
+  // a peer that ignores the rule to make us queue without end.
+  if (rdv_deferred_ >= kCtsReserve) {
+    ++stats_.rendezvous_budget_violations;
+    SharedOf(ctx_).rendezvous_budget_violations.fetch_add(
+        1, std::memory_order_relaxed);
+    Protocol(absl::StrFormat(
+        "rendezvous budget: rendezvous %d is request %d waiting for its CTS, "
+        "a sender may have at most %d (kCtsReserve); %d bytes held of the "
+        "%d-byte budget (ConnectionOptions::rendezvous_budget)",
+        h.cookie, rdv_deferred_ + 1, kCtsReserve, RendezvousHeld(),
+        options_.rendezvous_budget));
+    return false;
+  }
+  in.deferred = true;
+  incoming_.push_back(std::move(in));
+  ++rdv_deferred_;
+  ++stats_.rendezvous_deferred;
+  SharedOf(ctx_).rendezvous_deferred.fetch_add(1, std::memory_order_relaxed);
+  WatchRendezvous();
   return true;
+}
+
+void ConnectionImpl::GrantDeferred() {
+  if (rdv_deferred_ == 0 || !status_.ok()) return;
+  bool removed = false;
+  for (auto it = incoming_.begin();
+       it != incoming_.end() && rdv_deferred_ > 0;) {
+    if (!it->deferred) {
+      ++it;
+      continue;
+    }
+    if (!FitsBudget(it->size)) break;  // and every later one waits too
+    --rdv_deferred_;
+    if (GrantRendezvous(*it)) {
+      ++it;
+    } else {
+      it = incoming_.erase(it);
+      removed = true;
+    }
+  }
+  // A refused request at the front held back what followed it.
+  if (removed) Pump();
+}
+
+void ConnectionImpl::WatchRendezvous() {
+  if (rdv_watch_running_) {
+    if (rdv_deferred_ > 0) rdv_wake_.Set();
+    return;
+  }
+  rdv_watch_running_ = true;
+  SpawnInternal(RendezvousWatch());
+}
+
+Task<void> ConnectionImpl::RendezvousWatch() {
+  // How often deferred requests look again while messages they wait for
+  // sit in ready_ (Recv takes them without telling us; a DONE, an abort
+  // or a refusal look at once): after 1 ms, doubling up to 64 ms while
+  // nothing could be granted (an application that stopped reading costs
+  // ~16 wake-ups a second, not 1,000).
+  constexpr absl::Duration kFirstPoll = absl::Milliseconds(1);
+  constexpr absl::Duration kMaxPoll = absl::Milliseconds(64);
+  absl::Duration poll_every = kFirstPoll / 2;  // doubled before its use
+  const absl::Duration timeout = options_.rendezvous_done_timeout;
+  for (;;) {
+    if (!status_.ok()) break;
+    rdv_wake_.Reset();
+    const uint32_t deferred_before = rdv_deferred_;
+    GrantDeferred();
+    if (!status_.ok()) break;
+    poll_every = rdv_deferred_ < deferred_before
+                     ? kFirstPoll
+                     : std::min(poll_every * 2, kMaxPoll);
+    const SteadyTime now = SteadyNow();
+    std::optional<SteadyTime> next;
+    const Incoming* oldest = nullptr;
+    for (const Incoming& in : incoming_) {
+      if (in.large == nullptr || in.ready || in.done_by == SteadyTime{}) {
+        continue;
+      }
+      if (oldest == nullptr || in.done_by < oldest->done_by) oldest = &in;
+    }
+    if (oldest != nullptr) {
+      if (oldest->done_by <= now) {
+        ++stats_.rendezvous_done_timeouts;
+        SharedOf(ctx_).rendezvous_done_timeouts.fetch_add(
+            1, std::memory_order_relaxed);
+        // Fail moves the QP to the error state before it frees the
+        // buffers of unfinished rendezvous: the peer writes them no more.
+        Fail(CloseCause::kProtocolViolation,
+             absl::DeadlineExceededError(absl::StrFormat(
+                 "peer sent no DONE for rendezvous %d (%d bytes) within %s "
+                 "of its CTS (ConnectionOptions::rendezvous_done_timeout)",
+                 oldest->cookie, oldest->size,
+                 absl::FormatDuration(timeout))));
+        break;
+      }
+      next = oldest->done_by;
+    }
+    if (rdv_deferred_ > 0 && !rdv_ready_.empty()) {
+      const SteadyTime poll = now + absl::ToChronoNanoseconds(poll_every);
+      if (!next.has_value() || poll < *next) next = poll;
+    }
+    // Deferred requests with nothing in ready_ wait for a DONE (which
+    // grants them), or for Pump to queue messages (which wakes us).
+    if (!next.has_value() && rdv_deferred_ == 0) break;
+    absl::Duration wait =
+        next.has_value() ? absl::FromChrono(*next - now) : absl::Hours(1);
+    auto woken = rdv_wake_.WaitFor(std::max(wait, absl::ZeroDuration()));
+    (void)co_await std::move(woken);
+  }
+  rdv_watch_running_ = false;
 }
 
 bool ConnectionImpl::OnDone(const WireHeader& h) {
   for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
     if (!it->ready && it->large != nullptr && it->cookie == h.cookie) {
       if (h.flags & kFlagAborted) {
+        rdv_held_ -= Pinned(it->size);
         delete it->large;
         incoming_.erase(it);
       } else {
         it->ready = true;
       }
       Pump();
+      GrantDeferred();
       return true;
+    }
+    if (it->deferred && it->cookie == h.cookie) {
+      Protocol(absl::StrFormat("DONE for rendezvous %d before its CTS",
+                               h.cookie));
+      return false;
     }
   }
   Protocol(absl::StrFormat("DONE for unknown rendezvous %d", h.cookie));
@@ -296,7 +470,26 @@ void ConnectionImpl::OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc) {
   // Nothing to keep: repost now.
   if (!qp_->in_error() && Repost(slot)) Replenish();
   Pump();
+  GrantDeferred();
   MaybeSendCredits();
 }
 
 }  // namespace coverbs::cm::internal
+
+namespace coverbs::cm {
+
+Worker::RendezvousUsage Worker::rendezvous_usage() const {
+  RendezvousUsage u;
+  const internal::WorkerShared& w = *shared_;
+  if (w.large_memory != nullptr) {
+    u.in_use_bytes = w.large_memory->in_use_bytes();
+    u.idle_bytes = w.large_memory->idle_bytes();
+  }
+  u.deferred = w.rendezvous_deferred.load(std::memory_order_relaxed);
+  u.budget_violations =
+      w.rendezvous_budget_violations.load(std::memory_order_relaxed);
+  u.done_timeouts = w.rendezvous_done_timeouts.load(std::memory_order_relaxed);
+  return u;
+}
+
+}  // namespace coverbs::cm

@@ -101,6 +101,26 @@ class Worker {
   };
   SrqUsage srq_usage() const;
 
+  // Rendezvous receive memory of this Worker's connections
+  // (ConnectionOptions::rendezvous_budget bounds each connection's share
+  // before its application takes the messages). Safe from any thread.
+  struct RendezvousUsage {
+    // Blocks of the rendezvous cache out in use -- granted to a peer,
+    // queued for Recv, or held by a Message -- and kept idle for reuse
+    // (rendezvous_cache_bytes). On devices without memory windows (soft,
+    // siw) landing grants come from the same cache and count here too.
+    size_t in_use_bytes = 0;
+    size_t idle_bytes = 0;
+    // Since the Worker was made, over its connections: requests whose
+    // CTS was deferred by the budget, connections ended for breaking it,
+    // and connections ended for a DONE that did not come in time
+    // (ConnectionOptions::rendezvous_done_timeout).
+    uint64_t deferred = 0;
+    uint64_t budget_violations = 0;
+    uint64_t done_timeouts = 0;
+  };
+  RendezvousUsage rendezvous_usage() const;
+
  private:
   friend class internal::WorkerAccess;
   Worker() = default;

@@ -5,6 +5,7 @@
 #ifndef COVERBS_CM_WORKER_SHARED_H_
 #define COVERBS_CM_WORKER_SHARED_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -41,6 +42,11 @@ struct WorkerShared {
   std::shared_ptr<LargeMemoryCache> large_memory;
   // Landing grants by memory window: blocks that keep their registration.
   std::shared_ptr<LargeMemoryCache> landing_memory;
+  // The connections' rendezvous budget events (Worker::rendezvous_usage);
+  // atomic: read from any thread.
+  std::atomic<uint64_t> rendezvous_deferred{0};
+  std::atomic<uint64_t> rendezvous_budget_violations{0};
+  std::atomic<uint64_t> rendezvous_done_timeouts{0};
   // The shared receive queue and its buffers (ConnectionOptions::use_srq);
   // created by the first connection that asks for it.
   SrqPool* srq_pool = nullptr;

@@ -36,6 +36,10 @@ int RunTcp(const Options& o);
 // server, `request` is the setup frame with a valid handshake.
 int RunRemote(const Options& o, int (*dial)(const Options&),
               const std::string& request);
+// --mode=rts_flood, rts_flood_touch (hostile_rts_flood.cc): rendezvous
+// requests that are never finished, on one connection.
+int RunRtsFlood(const Options& o, int (*dial)(const Options&),
+                const std::string& request);
 int RunRdmaCm(const Options& o);
 
 }  // namespace hostile

@@ -33,6 +33,10 @@
 //                    valid handshake (bad keys, ranges, access, SENDs the
 //                    server cannot take; hostile_remote.cc); exits 3 unless
 //                    each got the refusal expected and ended its connection
+//   rts_flood        one connection asks for N rendezvous of 64 MiB and
+//                    finishes none (issue 36; hostile_rts_flood.cc), then
+//                    holds it --hold; rts_flood_touch also writes every
+//                    page of each buffer granted
 // rdma_cm (verbs provider) modes, hostile_rdmacm.cc:
 //   cm_random        N connects with random private data
 //   cm_silent        N connects with a valid handshake that reach
@@ -301,6 +305,9 @@ int RunTcp(const Options& o) {
   if (o.mode == "remote") return RunRemote(o, Dial, request);
   if (o.mode == "silent_reopen" || o.mode == "http_slowloris") {
     return RunHeldOpen(o);
+  }
+  if (o.mode == "rts_flood" || o.mode == "rts_flood_touch") {
+    return RunRtsFlood(o, Dial, request);
   }
   std::map<std::string, int> outcome;
   std::vector<int> fds;
