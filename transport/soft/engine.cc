@@ -18,8 +18,17 @@ namespace coverbs::transport::soft {
 namespace {
 
 // How often reactors that receive for their QPs are checked for having
-// stopped turning (CheckReactors).
-constexpr auto kReactorCheck = std::chrono::milliseconds(10);
+// stopped turning (CheckReactors): 10 ms. COVERBS_SOFT_REACTOR_CHECK_MS
+// overrides it for tests that hold a batch open on purpose and must not
+// see the check serve it, however loaded the host (soft_batch_test).
+std::chrono::milliseconds ReactorCheckPeriod() {
+  static const std::chrono::milliseconds period = [] {
+    const char* v = std::getenv("COVERBS_SOFT_REACTOR_CHECK_MS");
+    const long ms = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    return std::chrono::milliseconds(ms > 0 ? ms : 10);
+  }();
+  return period;
+}
 // The timer id of that check (connection ids start at 1).
 constexpr uint64_t kReactorCheckId = 0;
 
@@ -322,7 +331,7 @@ void Engine::WatchReactorRx() {
   if (reactor_check_armed_) return;
   reactor_check_armed_ = true;
   timers_.push(
-      Timer{std::chrono::steady_clock::now() + kReactorCheck, kReactorCheckId});
+      Timer{std::chrono::steady_clock::now() + ReactorCheckPeriod(), kReactorCheckId});
 }
 
 void Engine::CheckReactors() {
