@@ -25,6 +25,10 @@
 //    so `fn` may use the caller's frame (the request a handler holds).
 //  - Each Offload costs one allocation and two thread hand-offs (a few
 //    microseconds): for work of a millisecond or more, not per message.
+//  - OffloadPool::Post(fn) runs fn on a pool thread with nobody waiting:
+//    for work whose end nobody needs to see, such as releasing a large
+//    value off the reactor (fn owns it; it is destroyed on the pool
+//    thread). Dropped, unrun, if the pool is being destroyed.
 #ifndef COVERBS_CORE_OFFLOAD_H_
 #define COVERBS_CORE_OFFLOAD_H_
 
@@ -119,6 +123,10 @@ class OffloadPool {
 
   // Any thread.
   void Submit(std::shared_ptr<internal::OffloadJob> job);
+  // Runs fn() on one of the pool's threads; nobody waits (see the
+  // contract). Any thread.
+  template <typename F>
+  void Post(F fn);
 
  private:
   void Loop();
@@ -207,6 +215,26 @@ class [[nodiscard]] OffloadAwaiter {
   bool early_cancel_ = false;
   std::optional<std::stop_callback<CancelCallback>> cb_;
 };
+
+namespace internal {
+// What OffloadPool::Post runs: never armed, so its end resumes nobody.
+template <typename F>
+class PostedJob final : public OffloadJob {
+ public:
+  explicit PostedJob(F fn) : fn_(std::move(fn)) {}
+
+ protected:
+  void Run() override { fn_(); }
+
+ private:
+  F fn_;
+};
+}  // namespace internal
+
+template <typename F>
+void OffloadPool::Post(F fn) {
+  Submit(std::make_shared<internal::PostedJob<F>>(std::move(fn)));
+}
 
 // co_await Offload(fn): see the contract at the top.
 template <typename F>

@@ -12,13 +12,18 @@
 //    validated on decode.
 //  - protobuf messages (anything with SerializeToString / ParseFromArray /
 //    ByteSizeLong): the message's wire format. No protobuf dependency here:
-//    the program that uses messages links libprotobuf.
+//    the program that uses messages links libprotobuf. Before parsing, a
+//    pass over the bytes estimates what the parse allocates and refuses
+//    the payload past the decode bound (rpc/codec_protobuf.h).
 //  - msgpack (msgpack-c++): structs with MSGPACK_DEFINE(...), and
 //    std::vector / std::map / std::unordered_map / std::pair / std::tuple /
 //    std::optional of such (or of strings and numbers). Other types opt in
-//    by specializing rpc::UseMsgpack<T> (for msgpack adaptors). Decoding
-//    is bounded by the payload: no container may claim more elements than
-//    it has bytes, nesting stops at 64.
+//    by specializing rpc::UseMsgpack<T> (for msgpack adaptors). Decoded
+//    straight into the value, no object tree, each allocation charged to
+//    the decode bound before it is made (rpc/codec_msgpack.h); no
+//    container may claim more elements than it has bytes, nesting stops at
+//    64, and a struct (or tuple) must come as an array of exactly its
+//    number of members.
 //  - trivially copyable types (not pointers): their object bytes, in host
 //    byte order, sent from the object itself (no copy on the client side)
 //    and checked for exact size on decode. Padding bytes travel as they
@@ -31,6 +36,17 @@
 //   static void Encode(const T& value, std::string& out);  // appends
 // and, for types whose bytes can be sent in place,
 //   static std::span<const std::byte> View(const T& value);
+// Codecs whose decode is at most a copy of the bytes declare
+//   static constexpr bool kCopiesOnly = true;
+// (typed methods decode the others off the reactor when large), and,
+// where decoding may cost more memory than the bytes (msgpack,
+// protobuf; a user codec may have it too),
+//   static absl::StatusOr<T> Decode(std::span<const std::byte> bytes,
+//                                   const DecodeOptions& options);
+// which refuses, with RESOURCE_EXHAUSTED naming the bound and before
+// allocating it, a payload whose decode would take more than
+// options.MemoryLimit(bytes.size()) bytes (Decode(bytes) uses the default
+// options). rpc/README.md, "Decode budget".
 #ifndef COVERBS_RPC_CODEC_H_
 #define COVERBS_RPC_CODEC_H_
 
@@ -53,10 +69,59 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "msgpack.hpp"
+#include "rpc/codec_msgpack.h"
+#include "rpc/codec_protobuf.h"
 #include "rpc/payload.h"
 #include "transport/device.h"
 
 namespace coverbs::rpc {
+
+// What decoding a peer's payload may cost: the decode bound (per server,
+// ServerOptions::decode, or per method, Server::Register's last argument;
+// rpc/README.md, "Decode budget").
+struct DecodeOptions {
+  // Memory: a decode may allocate at most memory_factor x the payload's
+  // bytes + memory_slack (protobuf: protobuf_memory_factor), an estimate
+  // made before allocating (msgpack charges each allocation as it decodes;
+  // protobuf is scanned before it is parsed); past that the call fails
+  // with RESOURCE_EXHAUSTED naming the bound.
+  //  - msgpack, 8x: admits vectors of floats, doubles and 32- or 64-bit
+  //    integers (8x for int64 of one byte each on the wire), strings of 3
+  //    characters or more, structs of such; refuses nils or empty strings
+  //    as strings (32x), empty arrays as vectors (24x). Dense legitimate
+  //    payloads (many short map entries, 1-2 character strings) cost
+  //    10-20x: raise it for their method.
+  //  - protobuf, 16x: libprotobuf itself spends 7-8x on a batch of small
+  //    sub-messages with a few fields each (an object, a std::string per
+  //    string field, an array per repeated one), 17x on one holding one
+  //    small number each; an empty sub-message is 2 bytes for ~100 (50x),
+  //    an unknown field 2 bytes for 48 (24x).
+  // The bound is per decode; calls decode concurrently (up to
+  // ServerOptions::max_concurrent_calls per connection).
+  uint32_t memory_factor = 8;
+  uint32_t protobuf_memory_factor = 16;
+  size_t memory_slack = 64 << 10;
+  // Time: a typed method's argument above this many bytes (msgpack,
+  // protobuf, user codecs) is decoded on a pool thread (core/offload.h),
+  // not on the connection's reactor; smaller ones decode inline. 0: every
+  // one offloaded; SIZE_MAX: never.
+  size_t offload_above = 64 << 10;
+
+  // The most a decode of `payload` bytes may allocate.
+  size_t MemoryLimit(size_t payload) const {
+    return Limit(payload, memory_factor);
+  }
+  size_t ProtobufMemoryLimit(size_t payload) const {
+    return Limit(payload, protobuf_memory_factor);
+  }
+
+ private:
+  size_t Limit(size_t payload, uint32_t factor) const {
+    const unsigned __int128 l =
+        static_cast<unsigned __int128>(payload) * factor + memory_slack;
+    return l > SIZE_MAX ? SIZE_MAX : static_cast<size_t>(l);
+  }
+};
 
 // True for types that travel as msgpack (see above); specialize for a type
 // with a msgpack adaptor of its own.
@@ -106,6 +171,14 @@ concept HasCodec = requires(std::span<const std::byte> b) {
   { Codec<T>::Decode(b) } -> std::same_as<absl::StatusOr<T>>;
 };
 
+// Codecs whose decode takes DecodeOptions (msgpack, protobuf, user codecs
+// that declare it).
+template <typename T>
+concept HasBoundedDecode = requires(std::span<const std::byte> b,
+                                    const DecodeOptions& o) {
+  { Codec<T>::Decode(b, o) } -> std::same_as<absl::StatusOr<T>>;
+};
+
 template <typename T>
 concept HasView = requires(const T& t) {
   { Codec<T>::View(t) } -> std::same_as<std::span<const std::byte>>;
@@ -113,6 +186,7 @@ concept HasView = requires(const T& t) {
 
 template <>
 struct Codec<std::string_view> {
+  static constexpr bool kCopiesOnly = true;
   static absl::StatusOr<std::string_view> Decode(std::span<const std::byte> b) {
     return std::string_view(reinterpret_cast<const char*>(b.data()), b.size());
   }
@@ -124,6 +198,7 @@ struct Codec<std::string_view> {
 
 template <>
 struct Codec<std::span<const std::byte>> {
+  static constexpr bool kCopiesOnly = true;
   static absl::StatusOr<std::span<const std::byte>> Decode(
       std::span<const std::byte> b) {
     return b;
@@ -138,6 +213,7 @@ struct Codec<std::span<const std::byte>> {
 
 template <>
 struct Codec<std::string> {
+  static constexpr bool kCopiesOnly = true;
   static absl::StatusOr<std::string> Decode(std::span<const std::byte> b) {
     return std::string(reinterpret_cast<const char*>(b.data()), b.size());
   }
@@ -149,6 +225,7 @@ struct Codec<std::string> {
 
 template <>
 struct Codec<transport::RemoteRegion> {
+  static constexpr bool kCopiesOnly = true;
   static absl::StatusOr<transport::RemoteRegion> Decode(
       std::span<const std::byte> b) {
     return transport::RemoteRegion::Decode(b);
@@ -161,6 +238,7 @@ struct Codec<transport::RemoteRegion> {
 
 template <TrivialMessage T>
 requires(!std::is_same_v<T, transport::RemoteRegion>) struct Codec<T> {
+  static constexpr bool kCopiesOnly = true;
   static absl::StatusOr<T> Decode(std::span<const std::byte> b) {
     if (b.size() != sizeof(T)) {
       return absl::InvalidArgumentError(
@@ -182,9 +260,22 @@ requires(!std::is_same_v<T, transport::RemoteRegion>) struct Codec<T> {
 template <ProtobufMessage T>
 struct Codec<T> {
   static absl::StatusOr<T> Decode(std::span<const std::byte> b) {
+    return Decode(b, DecodeOptions());
+  }
+  static absl::StatusOr<T> Decode(std::span<const std::byte> b,
+                                  const DecodeOptions& o) {
     T m;
-    if (b.size() > static_cast<size_t>(INT32_MAX) ||
-        !m.ParseFromArray(b.data(), static_cast<int>(b.size()))) {
+    if (b.size() > static_cast<size_t>(INT32_MAX)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "payload of ", b.size(), " bytes is not a valid protobuf ",
+          std::string(m.GetTypeName()), ": above 2 GiB"));
+    }
+    // Nothing is allocated for a payload this refuses.
+    absl::Status fits = internal::pb::Check<T>(
+        b, std::string(m.GetTypeName()), o.ProtobufMemoryLimit(b.size()),
+        o.protobuf_memory_factor, o.memory_slack);
+    if (!fits.ok()) return fits;
+    if (!m.ParseFromArray(b.data(), static_cast<int>(b.size()))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "payload of ", b.size(), " bytes is not a valid protobuf ",
           std::string(m.GetTypeName())));
@@ -213,28 +304,15 @@ struct StringSink {
 template <typename T>
 requires(UseMsgpack<T>::value) struct Codec<T> {
   static absl::StatusOr<T> Decode(std::span<const std::byte> b) {
-    const char* d = reinterpret_cast<const char*>(b.data());
-    const size_t n = b.size();
-    // Every element takes at least one byte (a map entry two): a count
-    // above the payload's size is a lie, refused before msgpack allocates
-    // for it.
-    msgpack::unpack_limit limit(n, n / 2, n, n, n, 64);
-    size_t off = 0;
-    try {
-      msgpack::object_handle oh =
-          msgpack::unpack(d, n, off, nullptr, nullptr, limit);
-      if (off != n) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("msgpack payload of ", n, " bytes has ", n - off,
-                         " bytes after its value"));
-      }
-      T v;
-      oh.get().convert(v);
-      return v;
-    } catch (const std::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "msgpack payload of ", n, " bytes does not decode: ", e.what()));
-    }
+    return Decode(b, DecodeOptions());
+  }
+  static absl::StatusOr<T> Decode(std::span<const std::byte> b,
+                                  const DecodeOptions& o) {
+    T v{};
+    absl::Status s = internal::mp::Decode(b, o.MemoryLimit(b.size()),
+                                          o.memory_factor, o.memory_slack, v);
+    if (!s.ok()) return s;
+    return v;
   }
   static void Encode(const T& v, std::string& out) {
     internal::StringSink sink{&out};

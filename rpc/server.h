@@ -112,6 +112,10 @@ struct ServerOptions {
   // Optional (metrics, tracing): the server takes the clock per call only
   // when this is set.
   CallObserver call_observer;
+  // Typed methods: what decoding an argument may cost in memory, and the
+  // size above which it decodes off the reactor (rpc/codec.h; rpc/README.md,
+  // "Decode budget"). Register's last argument overrides it per method.
+  DecodeOptions decode;
 };
 
 class Server {
@@ -131,19 +135,32 @@ class Server {
   // Typed methods (rpc/typed.h): `fn` is a function or lambda taking
   // (rpc::Context&, Args) or (Args) and returning Task<absl::StatusOr<R>>;
   // Args and R go through rpc::Codec (rpc/codec.h).
+  // `decode` (optional): this method's decode bound, instead of
+  // ServerOptions::decode.
   template <typename F>
     requires internal::kIsTypedHandler<F>
   absl::Status Register(std::string_view name, F fn) {
-    return Register(name, internal::WrapTyped(std::move(fn)));
+    return Register(name, internal::WrapTyped(std::move(fn), options_.decode));
+  }
+  template <typename F>
+    requires internal::kIsTypedHandler<F>
+  absl::Status Register(std::string_view name, F fn,
+                        const DecodeOptions& decode) {
+    return Register(name, internal::WrapTyped(std::move(fn), decode));
   }
   // The same, typed by a method descriptor (rpc::Method<Args, R>).
   template <typename Args, typename R, typename F>
   absl::Status Register(const Method<Args, R>& method, F fn) {
+    return Register(method, std::move(fn), options_.decode);
+  }
+  template <typename Args, typename R, typename F>
+  absl::Status Register(const Method<Args, R>& method, F fn,
+                        const DecodeOptions& decode) {
     static_assert(
         std::is_same_v<typename internal::TypedTraits<F>::Args, Args> &&
             std::is_same_v<typename internal::TypedTraits<F>::Result, R>,
         "the handler's argument and result types must be the method's");
-    return Register(method.name, internal::WrapTyped(std::move(fn)));
+    return Register(method.name, internal::WrapTyped(std::move(fn), decode));
   }
 
   // Listens on workers[0]'s reactor; accepted connections are spread

@@ -300,5 +300,30 @@ TEST(OffloadTest, DestroyedPoolCancelsQueuedWork) {
   EXPECT_EQ(second.code(), absl::StatusCode::kCancelled) << second;
 }
 
+// Post: fire and forget; what fn owns is released on the pool thread.
+TEST(OffloadTest, PostRunsOnAPoolThreadAndReleasesThere) {
+  OffloadPool pool(2);
+  struct Noted {
+    std::atomic<std::thread::id>* where;
+    ~Noted() {
+      if (where != nullptr) where->store(std::this_thread::get_id());
+    }
+  };
+  std::atomic<std::thread::id> ran{}, released{};
+  std::atomic<bool> done{false};
+  std::unique_ptr<Noted> owned(new Noted{&released});
+  pool.Post([&ran, &done, owned = std::move(owned)]() mutable {
+    ran.store(std::this_thread::get_id());
+    owned.reset();
+    done.store(true);
+  });
+  for (int i = 0; i < 500 && !done.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_TRUE(done.load());
+  EXPECT_NE(ran.load(), std::this_thread::get_id());
+  EXPECT_EQ(released.load(), ran.load());
+}
+
 }  // namespace
 }  // namespace coverbs

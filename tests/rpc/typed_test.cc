@@ -25,6 +25,46 @@ struct Entry {
 };
 
 inline constexpr Method<Entry, Entry> kReverse{"Reverse"};
+
+// A type with a codec of its own (below) that notes the thread it decoded
+// on and the decode bound it was given.
+struct Noted {
+  std::string bytes;
+  std::thread::id decoded_on;
+  uint32_t factor = 0;
+};
+
+}  // namespace
+
+template <>
+struct Codec<Noted> {
+  static absl::StatusOr<Noted> Decode(std::span<const std::byte> b) {
+    return Decode(b, DecodeOptions());
+  }
+  static absl::StatusOr<Noted> Decode(std::span<const std::byte> b,
+                                      const DecodeOptions& o) {
+    return Noted{std::string(reinterpret_cast<const char*>(b.data()), b.size()),
+                 std::this_thread::get_id(), o.memory_factor};
+  }
+  static void Encode(const Noted& v, std::string& out) { out.append(v.bytes); }
+};
+
+namespace {
+
+// Where and with which bound the argument decoded: "inline 8 100".
+Task<absl::StatusOr<std::string>> WhereDecoded(Noted n) {
+  co_return absl::StrCat(
+      n.decoded_on == std::this_thread::get_id() ? "inline" : "offloaded", " ",
+      n.factor, " ", n.bytes.size());
+}
+
+// A msgpack array32 of n copies of `elem`.
+std::string ArrayOf(size_t n, const std::string& elem) {
+  std::string s = "\xdd";
+  for (int i = 3; i >= 0; --i) s.push_back(static_cast<char>(n >> (8 * i)));
+  for (size_t i = 0; i < n; ++i) s += elem;
+  return s;
+}
 inline constexpr Method<std::string, std::string> kWho{"Who"};
 
 Task<absl::StatusOr<Pod>> SwapPod(Pod p) { co_return Pod{p.b, p.a}; }
@@ -62,6 +102,11 @@ class TypedTest : public RpcTest {
                      co_return r;
                    })
             .ok());
+    ASSERT_TRUE(s.Register("Where", &WhereDecoded).ok());
+    DecodeOptions own;
+    own.memory_factor = 3;
+    own.offload_above = 0;  // every argument off the reactor
+    ASSERT_TRUE(s.Register("WhereOwn", &WhereDecoded, own).ok());
     // The caller's identity as the handler sees it.
     ASSERT_TRUE(
         s.Register(kWho,
@@ -189,6 +234,92 @@ TEST_P(TypedTest, ErrorsTravelAsStatus) {
     // The connection is still fine.
     auto ok = co_await client.Call<Pod>("Swap", Pod{3, 4});
     CO_ASSERT_OK(ok);
+    CO_ASSERT_OK(co_await client.Close());
+  }(this));
+}
+
+// Issue 36, point 2: an argument whose decode would take more memory than
+// the bound is refused with RESOURCE_EXHAUSTED naming the method and the
+// bound, a struct must come with its arity, and large arguments decode off
+// the reactor; the server's ServerOptions::decode and a method's own
+// options.
+TEST_P(TypedTest, DecodeIsBoundedAndLargeOnesRunOffTheReactor) {
+  StartTyped();
+  Run([](TypedTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    Client& client = **c;
+    // ["k", [1M empty strings]]: 32 MiB of std::string for 1 MiB.
+    const std::string empties = "\x92\xa1k" + ArrayOf(1 << 20, "\xa0");
+    auto big = co_await client.Call("Reverse", std::as_bytes(std::span(empties)));
+    EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted)
+        << big.status();
+    EXPECT_NE(big.status().message().find("method Reverse"), std::string::npos)
+        << big.status();
+    EXPECT_NE(big.status().message().find("8x the payload + 65536 bytes"),
+              std::string::npos)
+        << big.status();
+    // Arity: [] and ["k", [], extra] are not an Entry.
+    for (const std::string& bad :
+         {std::string("\x90"), std::string("\x93\xa1k\x90\xc0")}) {
+      auto r = co_await client.Call("Reverse", std::as_bytes(std::span(bad)));
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+          << r.status();
+      EXPECT_NE(r.status().message().find("a struct of 2 element(s)"),
+                std::string::npos)
+          << r.status();
+    }
+    // A large legitimate argument decodes (off the reactor) and is served.
+    Entry entry;
+    entry.key = "k";
+    for (int i = 0; i < 50000; ++i) entry.values.push_back(absl::StrCat("v", i));
+    auto rev = co_await client.Call(kReverse, entry);
+    CO_ASSERT_OK(rev);
+    EXPECT_EQ(rev->values.front(), "v49999");
+    // Where the argument decoded, and with which bound.
+    const std::string small(100, 's'), large(200 << 10, 'l');
+    auto a = co_await client.Call<std::string>("Where", small);
+    CO_ASSERT_OK(a);
+    EXPECT_EQ(*a, "inline 8 100");
+    auto b = co_await client.Call<std::string>("Where", large);
+    CO_ASSERT_OK(b);
+    EXPECT_EQ(*b, absl::StrCat("offloaded 8 ", large.size()));
+    auto own = co_await client.Call<std::string>("WhereOwn", small);
+    CO_ASSERT_OK(own);
+    EXPECT_EQ(*own, "offloaded 3 100");
+    CO_ASSERT_OK(co_await client.Close());
+  }(this));
+  EXPECT_EQ(server_->stats().reactor_stalls, 0u);
+}
+
+TEST_P(TypedTest, ServerDecodeOptionsApplyToMethodsWithoutTheirOwn) {
+  ServerOptions o;
+  o.decode.memory_factor = 40;
+  StartTyped(std::move(o));
+  Run([](TypedTest* t) -> Task<void> {
+    auto c = co_await t->NewClient();
+    CO_ASSERT_OK(c);
+    Client& client = **c;
+    const std::string empties = "\x92\xa1k" + ArrayOf(1 << 20, "\xa0");
+    auto r = co_await client.Call("Reverse", std::as_bytes(std::span(empties)));
+    CO_ASSERT_OK(r);
+    // The client's default bound refuses this response (FromResponse); it
+    // decodes with a bound of its own.
+    EXPECT_EQ(internal::FromResponse<Entry>("Reverse", Payload::Copy(r->data()))
+                  .status()
+                  .code(),
+              absl::StatusCode::kInternal);
+    DecodeOptions roomy;
+    roomy.memory_factor = 40;
+    auto entry = Codec<Entry>::Decode(r->data(), roomy);
+    CO_ASSERT_OK(entry);
+    EXPECT_EQ(entry->values.size(), 1u << 20);
+    auto a = co_await client.Call<std::string>("Where", std::string("x"));
+    CO_ASSERT_OK(a);
+    EXPECT_EQ(*a, "inline 40 1");
+    auto own = co_await client.Call<std::string>("WhereOwn", std::string("x"));
+    CO_ASSERT_OK(own);
+    EXPECT_EQ(*own, "offloaded 3 1");
     CO_ASSERT_OK(co_await client.Close());
   }(this));
 }
