@@ -326,9 +326,12 @@ absl::Status ConnectionImpl::OpError(const char* op, const absl::Status& s) {
          absl::Status(s.code(), absl::StrCat(op, " failed: ", s.message())));
   }
   if (!s.ok() && !consequence) {
-    if (status_is_flush_) {
+    if (status_is_flush_ && transport::WcStatusOf(s).has_value()) {
       // The flush that took the connection down came from this failure:
-      // it is the cause.
+      // it is the cause. Only a failed work request can be: a caller's
+      // cancellation (its deadline: "semaphore acquire cancelled") or a
+      // buffer it could not get says nothing of why the QP failed, and
+      // must never stand as the connection's cause.
       cause_ = CauseOfWc(s);
       status_ =
           absl::Status(s.code(), absl::StrCat(CloseCauseName(cause_), ": ", op,
@@ -487,6 +490,7 @@ void ConnectionImpl::LogClose() const {
 void ConnectionImpl::Abort(absl::Status why) {
   // The owner let go of the connection without closing it.
   Fail(CloseCause::kLocalClose, std::move(why));
+  if (detached_) return;  // the Worker took the QP already
   // The owner is gone, so nobody will Close: internal tasks still waiting
   // for their work requests keep this connection (and its QP on the
   // Worker's CQ) alive until the flushes come, which on siw after a peer
@@ -538,6 +542,14 @@ Task<void> PollUnstoppable(Reactor& reactor, Done done, absl::Time until,
 }  // namespace
 
 Task<absl::Status> ConnectionImpl::Close() {
+  if (detached_) {
+    // The Worker is gone and took the QP and the link: nothing is left to
+    // tell the peer or to flush.
+    closing_ = true;
+    close_started_ = true;
+    close_done_.Set();
+    co_return absl::OkStatus();
+  }
   if (close_started_) {
     // A second Close returns once the first is done (bounded, as it is), so
     // that its caller may then destroy the connection.
@@ -546,6 +558,10 @@ Task<absl::Status> ConnectionImpl::Close() {
   }
   close_started_ = true;
   absl::Duration t = options_.close_timeout;
+  // The Worker may be destroyed while this runs (ShutdownConnections waits
+  // for a Close under way, bounded): each step after a suspension checks
+  // detached_, and the reactor -- which outlives the Worker -- is taken now.
+  Reactor& reactor = ctx_.reactor();
   COVERBS_CM_TRACE(name_, ": Close: status ", status_.ToString(),
                    ", peer_closed ", peer_closed_, ", outstanding WRs ",
                    qp_->outstanding());
@@ -557,8 +573,12 @@ Task<absl::Status> ConnectionImpl::Close() {
     auto delivered = [this] {
       return !status_.ok() || qp_->inline_sends_in_flight() == 0;
     };
-    co_await PollUnstoppable(ctx_.reactor(), delivered, absl::Now() + t,
+    co_await PollUnstoppable(reactor, delivered, absl::Now() + t,
                              absl::Microseconds(200));
+  }
+  if (detached_) {
+    close_done_.Set();
+    co_return absl::OkStatus();
   }
   if (status_.ok() && started_ && !peer_closed_) {
     // Goodbye first, so the peer reports "closed by the peer", not a loss.
@@ -571,6 +591,10 @@ Task<absl::Status> ConnectionImpl::Close() {
     (void)s;  // a peer that cannot take it is gone anyway
   }
   closing_ = true;
+  if (detached_) {
+    close_done_.Set();
+    co_return absl::OkStatus();
+  }
   // No-op if already down. After the peer's goodbye, ours is no news: it
   // was the peer that closed (whether its flush came first or not).
   if (peer_closed_) {
@@ -585,15 +609,19 @@ Task<absl::Status> ConnectionImpl::Close() {
     absl::Status s = co_await link_->WaitDown(t);
     if (!s.ok() && s.code() != absl::StatusCode::kDeadlineExceeded) result = s;
   }
+  if (detached_) {
+    close_done_.Set();
+    co_return result;
+  }
   // Every posted work request completes (flushed) before the buffers go;
   // a device that lost some (siw after the peer's TERMINATE) gets its QP
   // destroyed, which also ends the NIC's access, and the rest completed.
   qp_->SetError("closed").IgnoreError();
   // Not cancellable: the buffers must outlive the NIC's use of them.
-  auto flushed = [this] { return qp_->outstanding() == 0; };
-  co_await PollUnstoppable(ctx_.reactor(), flushed, absl::Now() + t,
+  auto flushed = [this] { return detached_ || qp_->outstanding() == 0; };
+  co_await PollUnstoppable(reactor, flushed, absl::Now() + t,
                            absl::Milliseconds(1));
-  if (qp_->outstanding() > 0) {
+  if (!detached_ && qp_->outstanding() > 0) {
     COVERBS_CM_TRACE(name_, ": Close: ", qp_->outstanding(),
                      " WRs never flushed; abandoning the QP");
     qp_->Abandon("close: the device did not flush every work request");
@@ -612,12 +640,71 @@ Task<absl::Status> ConnectionImpl::Close() {
   co_return result;
 }
 
+void ConnectionImpl::ShutdownForWorker() {
+  // Down, and the QP in the error state: its posted work requests complete
+  // as flushed while ShutdownConnections runs the loop, and the QP goes
+  // once they did (TeardownBusy) -- as Close does it. Destroying it with
+  // work requests still posted (Abandon) is left to DetachFromWorker, for
+  // a device that never flushes or a Worker destroyed inside its loop: on
+  // the soft provider, a QP destroyed while its error was still being
+  // processed could leave its socket open (the peer saw no end).
+  Fail(CloseCause::kLocalClose,
+       absl::UnavailableError("the cm::Worker was destroyed"));
+}
+
+bool ConnectionImpl::TeardownBusy() const {
+  return (close_started_ && !close_done_.is_set()) || tasks_.count() > 0 ||
+         (qp_ != nullptr && qp_->outstanding() > 0);
+}
+
+void ConnectionImpl::DetachFromWorker() {
+  if (detached_) return;
+  if (status_.ok()) ShutdownForWorker();
+  // What lives in the Worker's PD goes before the PD: exposures (window,
+  // then its registration), idle landing windows, the atomics buffer.
+  exposures_.clear();
+  free_windows_.clear();
+  atomic_mr_.Deregister();
+  // Messages not handed out give their receive buffers back to the ring or
+  // the SRQ pool while those are still ours.
+  for (Incoming& in : incoming_) delete in.large;
+  incoming_.clear();
+  ready_.clear();
+  SharedOf(ctx_).qp_events->Forget(qp_num_);
+  if (qp_ != nullptr && qp_->outstanding() > 0) {
+    qp_->Abandon("the cm::Worker was destroyed");
+  }
+  qp_.reset();
+  link_.reset();
+  if (ring_ != nullptr) {
+    // Messages the application still holds keep the ring (and its
+    // registration) until they go, as after any connection's end.
+    ring_->conn = nullptr;
+    ring_->MaybeDelete();
+    ring_ = nullptr;
+  }
+  if (pool_ != nullptr) {
+    pool_->conns.erase(id_);
+    auto it = pool_->by_qp.find(qp_num_);
+    if (it != pool_->by_qp.end() && it->second == this) pool_->by_qp.erase(it);
+    pool_->committed -=
+        outstanding_ + to_return_ + kCreditReserve + kCtsReserve;
+    pool_ = nullptr;
+  }
+  send_pool_ = nullptr;
+  staging_pool_ = nullptr;
+  detached_ = true;
+  SharedOf(ctx_).connections.erase(this);
+}
+
 // Runs once the Connection and every internal task are gone.
 ConnectionImpl::~ConnectionImpl() {
   if (status_.ok()) {
     Fail(CloseCause::kLocalClose,
          absl::UnavailableError("the connection was destroyed"));
   }
+  if (detached_) return;  // DetachFromWorker released the rest
+  SharedOf(ctx_).connections.erase(this);
   // Before the QP goes: its number may serve a new QP at once.
   SharedOf(ctx_).qp_events->Forget(qp_num_);
   qp_.reset();  // drains (bounded) before freeing what the NIC may touch

@@ -146,6 +146,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
     id_ = NextConnectionId();
     qp_num_ = qp_->qp_num();
     name_ = absl::StrFormat("conn %d (qp 0x%x)", id_, qp_->qp_num());
+    SharedOf(ctx_).connections.insert(this);
   }
   ~ConnectionImpl();
 
@@ -178,6 +179,19 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   absl::Status Revoke(const RemoteRegion& token);
   Task<absl::Status> Close();
   void Abort(absl::Status why);
+  // The Worker is being destroyed (ShutdownConnections): down with that
+  // reason, the QP destroyed and every waiter woken.
+  void ShutdownForWorker();
+  // Whether teardown work of this connection still runs on the reactor: a
+  // Close under way, internal sends, work requests not yet completed.
+  bool TeardownBusy() const;
+  // Last step of the Worker's destruction for a connection somebody still
+  // holds: releases everything the Worker provided (QP, link, receive ring
+  // or SRQ share, registrations, windows) now, and from then on refers to
+  // the Worker no more. The connection stays valid and down: its status,
+  // cause and name remain; operations fail with its status, Close returns
+  // at once, worker() and qp() must not be used.
+  void DetachFromWorker();
   // Until the peer's first message arrived (its kHello), at most until
   // `deadline`: DeadlineExceeded if it said nothing, the connection's error
   // if it failed meanwhile.
@@ -578,7 +592,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   bool goodbye_sent_ = false;  // Close posted ours: a later flush is ours
   bool close_started_ = false;
   Event close_done_{false};  // the first Close() ended
-  WaitGroup tasks_;          // internal control sends in flight
+  // The Worker is gone (DetachFromWorker): qp_, link_, ring_ and pool_ are
+  // released and ctx_ must not be touched.
+  bool detached_ = false;
+  WaitGroup tasks_;  // internal control sends in flight
 
   // 8-byte result buffers for atomics.
   std::unique_ptr<uint64_t[]> atomic_mem_;

@@ -4,6 +4,7 @@
 #ifndef COVERBS_CM_CONNECTION_TEST_PEER_H_
 #define COVERBS_CM_CONNECTION_TEST_PEER_H_
 
+#include <span>
 #include <vector>
 
 #include "cm/connection.h"
@@ -46,6 +47,17 @@ class ConnectionTestPeer {
   // allows (kCtsReserve): a sender that ignores the rule.
   static void WidenRtsWindow(Connection& c, size_t n) {
     c.impl_->rts_window_.Release(n);
+  }
+  // Sends one small message of any `type` (a GOODBYE, then DATA after it,
+  // ...) as a peer breaking the protocol would: no check of what may be
+  // sent when. `payload` must fit an eager message and stay valid until
+  // the send completes.
+  static Task<absl::Status> SendRaw(Connection& c, MsgType type,
+                                    std::span<const std::byte> payload) {
+    std::span<const std::byte> parts[1] = {payload};
+    co_return co_await c.impl_->SendSmall(
+        type, 0, std::span<const std::span<const std::byte>>(parts, 1),
+        payload.size());
   }
 };
 

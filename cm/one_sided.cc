@@ -34,6 +34,7 @@ Task<absl::Status> ConnectionImpl::OneSided(bool read, LocalBuffer local,
 Task<absl::StatusOr<uint64_t>> ConnectionImpl::Atomic(bool cas, RemoteRegion r,
                                                       uint64_t a, uint64_t b) {
   const char* op = cas ? "COMPARE_SWAP" : "FETCH_ADD";
+  if (detached_) co_return DownError(op);  // the Worker is gone
   if (!qp_->caps().atomics) {
     co_return absl::FailedPreconditionError(
         absl::StrCat(op, " on ", name_, ": device ", qp_->caps().device_name,
@@ -68,6 +69,7 @@ Task<absl::Status> ConnectionImpl::OneSidedPlain(bool read,
     co_return absl::InvalidArgumentError(
         absl::StrCat(op, " on ", name_, ": empty local buffer"));
   }
+  if (detached_) co_return DownError(op);  // the Worker is gone
   // A READ lands in local memory (LOCAL_WRITE); a WRITE's source may be
   // read-only memory, which a LOCAL_WRITE registration would refuse.
   auto mr = ctx_.registrations().Get(data, length,
@@ -89,6 +91,7 @@ Task<absl::Status> ConnectionImpl::OneSidedPlain(bool read,
 
 absl::StatusOr<RemoteRegion> ConnectionImpl::ExposeWindow(
     const MemoryRegion& mr, int access, size_t offset, size_t length) {
+  if (detached_) return DownError("expose");  // the Worker is gone
   const transport::DeviceCaps& caps = qp_->caps();
   if (!caps.memory_windows) {
     return absl::FailedPreconditionError(absl::StrFormat(

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -29,11 +30,30 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
   ++rx_count_;
   // WRITE_WITH_IMM: the end of a rendezvous; no header travelled.
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+    if (peer_closed_) {
+      Protocol(
+          "a rendezvous finished (WRITE_WITH_IMM) after the peer's "
+          "GOODBYE: nothing may follow it");
+      return;
+    }
     OnRendezvousImm(slot, wc);
     return;
   }
   WireHeader h;
   if (!TakeHeader(slot, wc, h)) return;
+  // Nothing follows a GOODBYE (PROTOCOL.md 3.7): a message that spends a
+  // credit after it -- data, above all, which would be handed out as if
+  // sent before the close -- ends the connection. CREDIT and CTS messages
+  // use the reserve receives and may still be on their way.
+  if (peer_closed_ && h.type != kCredit && h.type != kCts) {
+    static constexpr const char* kNames[] = {"?",     "DATA",    "CREDIT",
+                                             "RTS",   "CTS",     "DONE",
+                                             "HELLO", "GOODBYE", "LANDED"};
+    Protocol(absl::StrFormat(
+        "a %s message after the peer's GOODBYE: nothing may follow it",
+        h.type < std::size(kNames) ? kNames[h.type] : "?"));
+    return;
+  }
   bool ok = true;
   switch (h.type) {
     case kData:

@@ -168,10 +168,11 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
   // device's inline limit may be larger.
   constexpr size_t kMaxFrame = 256;
   const size_t len = kHeaderSize + total;
-  if (len > kMaxFrame || len > qp_->max_inline_data()) return std::nullopt;
+  // Down first: a connection whose Worker is gone has no QP to ask.
   if (!status_.ok() || closing_ || !started_ || !may_send_.is_set()) {
     return std::nullopt;
   }
+  if (len > kMaxFrame || len > qp_->max_inline_data()) return std::nullopt;
   // Checked before the header takes the credits it returns to the peer: a
   // post refused for room would lose them.
   if (!CanSendInlineNow()) return std::nullopt;
@@ -386,6 +387,9 @@ Task<void> ConnectionImpl::SendControl(MsgType type, uint32_t cookie,
     size_t len = WriteFrame(buf->data(), type, cookie, flags, payload);
     transport::SendOptions so;
     so.inline_data = len <= qp_->max_inline_data();
+    // Nothing follows a GOODBYE (the peer fails a connection that sends
+    // more): Sends that did not get the turn before it now fail.
+    if (type == kGoodbye) closing_ = true;
     send_turn_.Release(1);
     auto wc = co_await qp_->Send(buf->Local(len), so);
     if (!wc.ok()) s = wc.status();

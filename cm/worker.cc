@@ -2,10 +2,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "cm/connection_impl.h"
 #include "cm/worker_shared.h"
+#include "core/log.h"
 
 namespace coverbs::cm {
 
@@ -70,9 +75,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
   return ctx;
 }
 
-// Connections are gone by now (the Worker outlives them); the shared
-// state (pools, SRQ) goes before the CQ and PD it was created on.
+// Connections still on the Worker are ended and let go of first
+// (ShutdownConnections); the shared state (pools, SRQ) goes before the CQ
+// and PD it was created on.
 Worker::~Worker() {
+  if (shared_ != nullptr) internal::ShutdownConnections(*this);
   shared_.reset();
   connector_.reset();
   reg_cache_.reset();
@@ -117,6 +124,83 @@ absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Worker& ctx,
   }
   more.push_back(*std::move(cq));
   return more.back().get();
+}
+
+namespace {
+
+// The live connections of `sh`, as weak references: ending one may end
+// others' holders, and a destroyed one leaves the set meanwhile.
+std::vector<std::weak_ptr<ConnectionImpl>> LiveConnections(WorkerShared& sh) {
+  std::vector<std::weak_ptr<ConnectionImpl>> v;
+  v.reserve(sh.connections.size());
+  for (ConnectionImpl* c : sh.connections) v.push_back(c->weak_from_this());
+  return v;
+}
+
+Task<void> SleepFor(Reactor& r, absl::Duration d) { (void)co_await r.Sleep(d); }
+
+}  // namespace
+
+void ShutdownConnections(Worker& ctx) {
+  WorkerShared& sh = SharedOf(ctx);
+  if (sh.connections.empty()) return;
+  const size_t open = sh.connections.size();
+  // 1. Down, every one: the QP in the error state (its posted work
+  // requests flush), every waiter -- receive loops, sends, calls -- woken.
+  for (auto& w : LiveConnections(sh)) {
+    if (auto c = w.lock()) c->ShutdownForWorker();
+  }
+  // 2. Their tasks unwind on the reactor and let go of them: an
+  // rpc::Client's receive loop sees the end and fails its calls, the calls
+  // return, internal sends end, a Close under way finishes. Only outside
+  // the reactor's loop (RunMain, a test, a thread after Run): inside it,
+  // running the loop again would resume tasks under the one running now.
+  Reactor& r = ctx.reactor();
+  const bool can_run = Reactor::Current() == nullptr;
+  if (can_run) {
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    int idle = 0;
+    while (!sh.connections.empty() && absl::Now() < until) {
+      if (r.RunOnce()) {
+        idle = 0;
+        continue;
+      }
+      bool busy = false;
+      for (ConnectionImpl* c : sh.connections) busy |= c->TeardownBusy();
+      if (busy) {
+        // Work requests still flushing, a Close waiting for its link, an
+        // internal send: give them the loop (a completion or a timer ends
+        // each).
+        r.BlockOn(SleepFor(r, absl::Milliseconds(1)));
+      } else if (++idle >= 3) {
+        break;  // the rest is held by the application, not by a task
+      }
+    }
+  }
+  // 3. What is still held (an rpc::Client or a cm::Connection the
+  // application keeps past its Worker, or a task of the loop when it could
+  // not run) stays valid but down, and detached: nothing of it refers to
+  // the Worker any more.
+  const size_t held = sh.connections.size();
+  for (auto& w : LiveConnections(sh)) {
+    if (auto c = w.lock()) c->DetachFromWorker();
+  }
+  // Anything in the set without an owner (never the case: every
+  // ConnectionImpl is made by make_shared) would dangle; drop it.
+  sh.connections.clear();
+  if (held > 0 && !can_run) {
+    COVERBS_LOG(kWarning, "cm",
+                "cm::Worker on %s destroyed inside its reactor's loop with %d "
+                "connection(s) open (%d held): they are down and detached, but "
+                "tasks still suspended on them must not run after it; destroy "
+                "a Worker outside the loop, or close its connections first",
+                ctx.device().name(), open, held);
+  } else {
+    COVERBS_LOG(kInfo, "cm",
+                "cm::Worker on %s destroyed with %d connection(s) open: ended "
+                "them (%d still held by the application, now detached)",
+                ctx.device().name(), open, held);
+  }
 }
 
 void ScheduleCqTrim(Worker& ctx) {

@@ -13,7 +13,33 @@
 // connections (verbs: rdma_cm, its event channel watched by the reactor;
 // soft: TCP setup).
 //
-// Lifetime: a Worker outlives every Listener and Connection created on it.
+// Lifetime: the Reactor outlives the Worker, and the Worker every Listener
+// created on it. Connections should be closed before their Worker goes;
+// when they are not, destroying the Worker ends them -- any order works:
+//  - The destructor fails every connection still on the Worker ("closed
+//    locally: the cm::Worker was destroyed"): its QP goes to the error
+//    state, every waiter (receives, sends, an rpc::Client's calls) wakes
+//    with that status.
+//  - Destroyed outside the reactor's loop (RunMain, a test's thread, a
+//    thread after Run returned), it then runs the loop until the tasks
+//    holding those connections -- an rpc::Client's receive loop and calls
+//    in flight, internal sends, a Close under way -- have unwound and let
+//    go, bounded (5 s), and the posted work requests flushed.
+//  - A connection still held after that (a cm::Connection or rpc::Client
+//    the application keeps past its Worker) is detached: the QP, link,
+//    receive ring and registrations go now, and the object stays valid
+//    and down (status, close_cause, name; operations fail with its status,
+//    Close returns at once; worker() and qp() must not be used). It may be
+//    destroyed later, after the Reactor too. Messages it delivered stay
+//    valid.
+//  - Destroyed inside its reactor's loop (from a task, or a function
+//    posted to it as cm::WorkerPool does) it cannot run the loop: the
+//    connections are failed and detached at once, and no task may still be
+//    suspended on them -- an internal send still waiting for its
+//    completion would return its buffer to the Worker's freed pool (logged
+//    as a warning). Close them first, or destroy the Worker outside the
+//    loop.
+// The peer of a connection ended this way sees it end without a GOODBYE.
 // Thread: used only from its reactor's thread.
 #ifndef COVERBS_CM_WORKER_H_
 #define COVERBS_CM_WORKER_H_

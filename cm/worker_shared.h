@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <stop_token>
+#include <unordered_set>
 #include <vector>
 
 #include "cm/worker.h"
@@ -21,7 +22,8 @@
 
 namespace coverbs::cm::internal {
 
-struct SrqPool;  // srq_pool.h
+struct SrqPool;        // srq_pool.h
+class ConnectionImpl;  // connection_impl.h
 // Destroys the SRQ; the buffers go with the last Message holding one.
 void DetachSrqPool(SrqPool* pool);
 
@@ -57,6 +59,9 @@ struct WorkerShared {
   // token tells it whether this Worker still exists.
   bool trim_posted = false;
   std::shared_ptr<int> trim_token = std::make_shared<int>(0);
+  // Every connection of this Worker not yet destroyed or detached
+  // (ConnectionImpl registers itself): what ~Worker must end first.
+  std::unordered_set<ConnectionImpl*> connections;
 };
 
 // A completion queue of `ctx` with `entries` unreserved: the first one
@@ -68,6 +73,13 @@ absl::StatusOr<transport::CompletionQueue*> CqWithRoom(Worker& ctx,
 // CQs added by CqWithRoom that no QP uses any more are destroyed, so a
 // burst of connections leaves no descriptors or memory behind.
 void ScheduleCqTrim(Worker& ctx);
+// ~Worker, before anything of the Worker goes: fails every connection still
+// on it (their QPs destroyed, every waiter woken), runs the reactor -- when
+// called outside its loop -- until the tasks holding them (an rpc::Client's
+// receive loop, calls in flight, internal sends) have unwound and let go,
+// then detaches the connections somebody still holds (ConnectionImpl::
+// DetachFromWorker) so that they never touch the Worker again.
+void ShutdownConnections(Worker& ctx);
 
 // The parts of a Worker only the cm layer uses.
 class WorkerAccess {

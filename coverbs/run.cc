@@ -39,12 +39,15 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
     return 1;
   }
   absl::Status s = (*reactor)->BlockOn(main(**ctx));
+  // Why main failed first, then the teardown (which may log the
+  // connections it ends).
+  if (!s.ok()) COVERBS_LOG(kError, "run", "%s", s.ToString().c_str());
+  // Outside the loop: a connection main left open (an rpc::Client
+  // destroyed without Close, calls in flight, its receive loop) is ended
+  // and its tasks run until they let go of it, before the Worker's CQs go
+  // (cm::Worker's destructor); then the reactor destroys what is left.
   ctx->reset();
-  if (!s.ok()) {
-    COVERBS_LOG(kError, "run", "%s", s.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return s.ok() ? 0 : 1;
 }
 
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main) {

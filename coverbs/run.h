@@ -48,8 +48,17 @@ struct RunOptions {
 };
 
 // Creates a reactor, opens the device, makes one cm::Worker and runs
-// main(worker) to completion on that reactor (this thread). Everything
-// main created on the worker must be gone when it returns.
+// main(worker) to completion on that reactor (this thread). A non-OK status
+// is logged and gives exit code 1.
+//
+// Teardown: main may return -- an error in the middle of its work, above
+// all -- with connections open: an rpc::Client destroyed without Close,
+// calls still in flight in tasks it spawned. RunMain then destroys the
+// Worker (outside the loop), which fails them (UNAVAILABLE / CANCELLED for
+// the calls), runs the loop until their tasks let go, and detaches what is
+// still held (cm/worker.h); then the reactor, which destroys the tasks still
+// suspended. No crash, exit code 1. Listeners main created must be gone
+// when it returns.
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options);
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main);

@@ -1,8 +1,11 @@
 // The typed key-value client: puts --keys keys and gets them back with 16
 // calls in flight (ForEachBounded), then reads the whole store by one RDMA
 // READ from the snapshot region the server exposed to this connection.
-// Exits 0 when every byte matched.
+// Exits 0 when every byte matched; 1 with the reason otherwise: a call past
+// --deadline_ms (a server that does not answer), a snapshot longer than
+// --max_snapshot_bytes (one that lies), anything the library refused.
 //   kv_typed_client --server=127.0.0.1 --port=7471 [--keys=1000]
+//                   [--deadline_ms=10000] [--max_snapshot_bytes=268435456]
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
@@ -12,14 +15,21 @@ using namespace coverbs;
 ABSL_FLAG(std::string, server, "127.0.0.1", "server address");
 ABSL_FLAG(uint16_t, port, 7471, "server port");
 ABSL_FLAG(size_t, keys, 1000, "keys to put, get and find in the snapshot");
+ABSL_FLAG(int64_t, deadline_ms, 10000, "deadline of every call (ms)");
+ABSL_FLAG(uint64_t, max_snapshot_bytes, 256 << 20,
+          "longest snapshot accepted from the server");
 
 std::string Key(size_t i) { return absl::StrCat("key-", i); }
 std::string Value(size_t i) { return std::string(1 + i % 200, 'a' + i % 26); }
 
 Task<absl::Status> Main(cm::Worker& worker) {
-  CO_ASSIGN_OR_RETURN(auto client, co_await rpc::Client::Connect(
-                                       worker, absl::GetFlag(FLAGS_server),
-                                       absl::GetFlag(FLAGS_port)));
+  // Every call gets a deadline (ClientOptions::call_timeout).
+  rpc::ClientOptions options;
+  options.call_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  const std::string server = absl::GetFlag(FLAGS_server);
+  CO_ASSIGN_OR_RETURN(auto client,
+                      co_await rpc::Client::Connect(
+                          worker, server, absl::GetFlag(FLAGS_port), options));
   size_t n = absl::GetFlag(FLAGS_keys), mismatches = 0;
   auto puts = co_await ForEachBounded(
       n, 16, [&](size_t i) -> Task<absl::StatusOr<uint64_t>> {
@@ -39,6 +49,13 @@ Task<absl::Status> Main(cm::Worker& worker) {
   auto missing = co_await client->Call(kGet, std::string("no-such-key"));
   std::printf("Get(no-such-key): %s\n", missing.status().ToString().c_str());
   CO_ASSIGN_OR_RETURN(RemoteRegion snap, co_await client->Call(kSnapshot, 0));
+  // The length is the server's word: checked before anything is allocated.
+  const uint64_t limit = absl::GetFlag(FLAGS_max_snapshot_bytes);
+  if (snap.length > limit) {
+    co_return absl::OutOfRangeError(
+        absl::StrCat("the server announced a snapshot of ", snap.length,
+                     " bytes, more than --max_snapshot_bytes=", limit));
+  }
   std::string bytes(snap.length, '\0');
   CO_RETURN_IF_ERROR(co_await client->connection().Read(AsBytes(bytes), snap));
   CO_ASSIGN_OR_RETURN(KvMap all, rpc::Codec<KvMap>::Decode(AsBytes(bytes)));

@@ -5,8 +5,9 @@
 # value must match; then two clients at once; then scrapes the server's
 # /metrics with curl (the Put calls counted per method and code; checked by
 # promtool where installed). Also holds the example to its size: server + client
-# (+ their shared header) in at most 90 lines without blank lines,
-# comments, includes and flag definitions.
+# (+ their shared header) in at most 100 lines without blank lines,
+# comments, includes and flag definitions (90 before the client checked the
+# snapshot length it is sent and gave every call a deadline).
 #   kv_typed_test.sh <kv_typed_server> <kv_typed_client> <source dir>
 set -u
 server="$1"
@@ -19,7 +20,7 @@ fail() { echo "FAIL: $*"; cat "$tmp/out" "$tmp/server.out" 2>/dev/null; kill "$s
 lines=$(cat "$src/kv_typed_server.cc" "$src/kv_typed_client.cc" "$src/kv_typed.h" |
   grep -cvE '^\s*$|^\s*//|^#|^ABSL_FLAG|^\s*"[^"]*"\);$')
 echo "kv_typed: server + client + header: $lines lines"
-[ "$lines" -le 90 ] || { spid=; fail "kv_typed takes $lines lines (> 90)"; }
+[ "$lines" -le 100 ] || { spid=; fail "kv_typed takes $lines lines (> 100)"; }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 port=$(free_port)

@@ -324,6 +324,17 @@ Task<void> Reader(std::shared_ptr<ClientState> st) {
     }
     Pending* p = st->pending.Take(h.call_id);
     if (p == nullptr) {
+      if (h.call_id >= st->next_id) {
+        // No call ever had this id: the server answers what was never
+        // asked (a broken or hostile peer). Ends the connection.
+        st->FailAll(absl::UnavailableError(absl::StrCat(
+            "rpc connection ", conn.name(),
+            " closed: protocol violation by the server: a ",
+            FrameTypeName(h.type), " for call id ", h.call_id,
+            ", which was never issued (next id ", st->next_id, ")")));
+        close = true;
+        break;
+      }
       // The caller gave up (deadline, cancel) before the response came.
       ++st->stats.late_responses;
       continue;
@@ -370,6 +381,11 @@ void ClientState::CancelWatched() {
 void ClientState::FailAll(const absl::Status& why) {
   if (status.ok()) status = why;
   for (Pending* p : pending.TakeAll()) p->Complete(status);
+  // No call waits any more, and none will (they fail at once now): the
+  // shared stop callback leaves the caller's token, so a stop requested
+  // later -- after the Worker and the Reactor are gone, say -- reaches
+  // nothing of this client. (Calls still marked unmark themselves.)
+  watch_cb.reset();
 }
 
 std::unique_ptr<Client> Client::Create(std::unique_ptr<cm::Connection> conn,
@@ -576,12 +592,19 @@ Task<absl::StatusOr<Response>> CallJoined(std::shared_ptr<ClientState> st,
 
 Task<absl::StatusOr<Response>> Client::Call(
     std::string_view method, std::span<const std::byte> payload) {
+  if (state_->options.call_timeout != absl::InfiniteDuration()) {
+    return Call(method, payload, CallOptions());
+  }
   return CallPlain(state_, method, payload);
 }
 
 Task<absl::StatusOr<Response>> Client::Call(std::string_view method,
                                             std::span<const std::byte> payload,
                                             CallOptions options) {
+  if (options.deadline == absl::InfiniteFuture() &&
+      state_->options.call_timeout != absl::InfiniteDuration()) {
+    options.deadline = absl::Now() + state_->options.call_timeout;
+  }
   if (options.deadline == absl::InfiniteFuture() &&
       !options.cancel.stop_possible()) {
     return CallPlain(state_, method, payload);

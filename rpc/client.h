@@ -15,8 +15,25 @@
 //  - The server's error travels back as the Status it returned (code and
 //    message); an unknown method is NOT_FOUND.
 //  - When the connection goes down (peer closed or died, a protocol error,
-//    Close) every pending call fails with UNAVAILABLE naming the connection
-//    and the cause, and later calls fail at once.
+//    Close, its Worker destroyed) every pending call fails with UNAVAILABLE
+//    naming the connection and the cause, and later calls fail at once.
+//  - What the server sends is checked, never trusted: a frame that does
+//    not decode (bad header, a length that is not the message's, a payload
+//    above max_response_size, a request frame), a response for a call id
+//    never issued, or a message after the server's GOODBYE (cm: nothing
+//    may follow it) ends the connection as a protocol violation, with that
+//    cause. A response for a call that gave up is dropped (late_responses).
+//  - Deadlines: CallOptions::deadline per call, or ClientOptions::
+//    call_timeout for every call that sets none. Without either a call
+//    waits as long as the connection lives: a server that accepts and
+//    never answers holds it forever.
+//  - Shutdown, in any order (cm/worker.h): Close() then destroy is the
+//    graceful one. Destroying the Client without Close fails its calls
+//    (CANCELLED) and drops the connection (the peer sees it end). The
+//    Worker may go first, with calls in flight: they fail UNAVAILABLE
+//    ("the cm::Worker was destroyed"), and the Client stays a valid, down
+//    object (calls fail at once, Close returns at once) that may be
+//    destroyed later, after the Reactor too.
 //  - Single reactor: use a Client on its connection's reactor thread.
 #ifndef COVERBS_RPC_CLIENT_H_
 #define COVERBS_RPC_CLIENT_H_
@@ -50,6 +67,11 @@ struct ClientOptions {
   uint64_t max_response_size = (64ull << 20) - kHeaderSize;
   // For Client::Connect.
   cm::ConnectOptions connect;
+  // The deadline of every call that sets none (CallOptions::deadline left
+  // at InfiniteFuture, and the plain Call overloads): absl::Now() +
+  // call_timeout when Call is invoked. A server that never answers then
+  // costs a call DEADLINE_EXCEEDED, not a hang. InfiniteDuration: none.
+  absl::Duration call_timeout = absl::InfiniteDuration();
 };
 
 struct CallOptions {
@@ -73,9 +95,9 @@ class Client {
   static std::unique_ptr<Client> Create(std::unique_ptr<cm::Connection> conn,
                                         const ClientOptions& options);
   // Fails pending calls (CANCELLED) and drops the connection abruptly if
-  // Close() was not awaited. Without Close, cancel frames of cancelled
-  // calls may still be sending in the background: the Worker must outlive
-  // them (await Close() before destroying the Worker).
+  // Close() was not awaited. What still runs of the client (its receive
+  // loop, cancel frames under way) ends on the reactor -- or when the
+  // Worker is destroyed, which ends and waits for it (cm/worker.h).
   ~Client();
   Client(const Client&) = delete;
 
@@ -123,12 +145,15 @@ class Client {
 
   // Fails pending calls with UNAVAILABLE, stops the receive loop and closes
   // the connection gracefully; returns once nothing of the client runs on
-  // the Worker any more. Idempotent.
+  // the Worker any more. Idempotent; at once when the connection's Worker
+  // is gone.
   Task<absl::Status> Close();
 
   // OK while usable; else why not.
   absl::Status status() const;
   size_t in_flight() const;
+  // Valid as long as the Client (down, not usable, once its Worker is gone:
+  // status, cause and name remain; worker() and qp() must not be used).
   cm::Connection& connection() const;
 
   struct Stats {
