@@ -182,7 +182,15 @@ class TargetOfBadKeyTest : public CloseCauseTest {
       (void)r;
       auto end = co_await p->server->Recv();
       EXPECT_FALSE(end.ok());
-      const CloseCause want = t->TargetOfBadKeyCause();
+      CloseCause want = t->TargetOfBadKeyCause();
+      // siw: the requester's side ends the connection (an iWARP TERMINATE,
+      // then the TCP close), and under load the rdma_cm DISCONNECTED can
+      // reach the target before siw raised IBV_EVENT_QP_REQ_ERR, which
+      // ErrorOf then cannot see yet: "peer gone" (seen under TCG at load
+      // 6-9, 1 round of 10). cm/README.md, "Why a connection ended".
+      if (t->iwarp() && p->server->close_cause() == CloseCause::kPeerGone) {
+        want = CloseCause::kPeerGone;
+      }
       EXPECT_EQ(p->server->close_cause(), want)
           << "round " << round << ": " << p->server->status();
       if (want == CloseCause::kProtectionError) {
