@@ -114,9 +114,22 @@ echo "  echo_server holds $fds descriptors"
 times=""
 for i in $(seq 7); do
   t0=$(now_ms)
-  timeout 30 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
-    --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1 ||
-    { cat "$tmp/client.out"; fail "good client $i failed (rc $?)"; }
+  if ! timeout 30 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
+    --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1; then
+    # Under TSan the server's handshakes are slow enough that a good
+    # client can be the oldest pending one when the flood's churn evicts
+    # (seen once in 2 TSan runs, 2026-11-29): one retry there, none in
+    # plain or ASan builds.
+    if ldd "$server_bin" 2>/dev/null | grep -q libtsan && [[ -z "${retried:-}" ]]; then
+      retried=1
+      echo "  good client $i dropped under TSan; one retry"
+      timeout 30 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
+        --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1 ||
+        { cat "$tmp/client.out"; fail "good client $i failed twice (rc $?)"; }
+    else
+      cat "$tmp/client.out"; fail "good client $i failed"
+    fi
+  fi
   ms=$(($(now_ms) - t0))
   times="$times $ms"
   ((ms < guard * 1000)) || fail "good client $i took $ms ms, guard $guard s"
