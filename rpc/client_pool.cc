@@ -217,8 +217,13 @@ Task<void> ClientPool::Maintain(std::shared_ptr<PoolReactor> r, size_t index) {
   LoopEnded();
 }
 
-Task<absl::StatusOr<ClientPool::Picked>> ClientPool::Pick(std::string what,
-                                                          absl::Time deadline) {
+Task<absl::StatusOr<ClientPool::Picked>> ClientPool::Pick(
+    std::string_view method, absl::Time deadline) {
+  // Errors only: a call that finds a live connection builds no string.
+  auto what = [method] {
+    return method.empty() ? std::string("lease")
+                          : absl::StrCat("call ", std::string(method));
+  };
   if (deadline == absl::InfiniteFuture()) {
     deadline = absl::Now() + options_.default_deadline;
   }
@@ -241,18 +246,18 @@ Task<absl::StatusOr<ClientPool::Picked>> ClientPool::Pick(std::string what,
     if (!options_.wait_for_ready && r->AllFailing()) {
       counters_.fail_fast.fetch_add(1);
       co_return absl::UnavailableError(
-          absl::StrCat(what, ": no live connection (", r->LastErrors(), ")"));
+          absl::StrCat(what(), ": no live connection (", r->LastErrors(), ")"));
     }
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       co_return absl::DeadlineExceededError(
-          absl::StrCat(what, ": no live connection before the deadline (",
+          absl::StrCat(what(), ": no live connection before the deadline (",
                        r->LastErrors(), ")"));
     }
     // Sleeps until a connection comes up, an attempt fails or shutdown.
     absl::Status w = co_await r->changed.WaitFor(left);
     if (!w.ok() && w.code() != absl::StatusCode::kDeadlineExceeded) {
-      co_return absl::Status(w.code(), absl::StrCat(what, ": ", w.message()));
+      co_return absl::Status(w.code(), absl::StrCat(what(), ": ", w.message()));
     }
   }
 }
@@ -264,8 +269,7 @@ Task<absl::StatusOr<Response>> ClientPool::Call(
     options.deadline = absl::Now() + options_.default_deadline;
   }
   for (;;) {
-    absl::StatusOr<Picked> p = co_await Pick(
-        absl::StrCat("call ", std::string(method)), options.deadline);
+    absl::StatusOr<Picked> p = co_await Pick(method, options.deadline);
     if (!p.ok()) co_return p.status();
     std::shared_ptr<Client> c = p->slot->client;
     counters_.calls.fetch_add(1);
@@ -290,7 +294,7 @@ Task<absl::StatusOr<Response>> ClientPool::Call(
 
 Task<absl::StatusOr<std::shared_ptr<Client>>> ClientPool::Lease(
     CallOptions options) {
-  absl::StatusOr<Picked> p = co_await Pick("lease", options.deadline);
+  absl::StatusOr<Picked> p = co_await Pick({}, options.deadline);
   if (!p.ok()) co_return p.status();
   counters_.leases.fetch_add(1);
   co_return p->slot->client;

@@ -175,9 +175,10 @@ class ClientPool {
     std::shared_ptr<internal::PoolSlot> slot;
   };
   // The calling reactor's next live connection, or why none: fail fast, or
-  // wait until `deadline` (infinite: default_deadline). `what` names the
-  // operation in errors.
-  Task<absl::StatusOr<Picked>> Pick(std::string what, absl::Time deadline);
+  // wait until `deadline` (infinite: default_deadline). Errors name the
+  // call's `method` (valid until Pick returns), or a lease when empty.
+  Task<absl::StatusOr<Picked>> Pick(std::string_view method,
+                                    absl::Time deadline);
   ClientPool(ClientPoolOptions options) : options_(std::move(options)) {}
   Task<void> Maintain(std::shared_ptr<internal::PoolReactor> r, size_t slot);
   void LoopEnded();
