@@ -154,8 +154,10 @@ TEST_P(InlineSendTest, DestroyedWithInlineSendsInFlight) {
     absl::Status s = a_->PostInlineSend({&one, 1});
     // iWARP has no RNR: the peer (no receives) terminates the connection on
     // the first send, and once that reached us later posts are refused
-    // (seen on siw when the VM is fast). What is in flight is then destroyed.
-    if (!s.ok() && i > 0 && !model().has_rnr && a_->in_error()) break;
+    // (seen on siw when the VM is fast). The refusal can come before the
+    // reactor has seen the QP's error (ENOTCONN from the post itself), so
+    // in_error() is not required here. What is in flight is then destroyed.
+    if (!s.ok() && i > 0 && !model().has_rnr) break;
     ASSERT_TRUE(s.ok()) << s;
   }
   // The destructor waits for their completions (or flushes): nothing left
