@@ -21,6 +21,7 @@
 #include <mutex>
 #include <stop_token>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -44,6 +45,9 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
 
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(10);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(1);
+// The most pending handshakes evicted at once for newer connections (a
+// sixteenth of the cap, at least one).
+constexpr size_t kMaxEvictionBatch = 32;
 
 // ListenerOptions::max_pending_handshakes, lowered to leave fd_reserve
 // descriptors (at most half the limit) free under RLIMIT_NOFILE. `why`
@@ -302,9 +306,19 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     req->request = *std::move(in);
     req->peer.address = req->request->peer_address();
     req->peer.port = req->request->peer_port();
-    std::shared_ptr<PendingHandshake> evicted;
+    // At the cap, the oldest pending handshakes go in a batch: the evicted
+    // tasks close their sockets on the next turn, and the accepts that
+    // follow fill the room without waiting a turn each. One eviction per
+    // accept paced a flood's backlog at one accept per reactor turn, and a
+    // good client queued behind a few hundred silent sockets on a loaded
+    // host waited out its connect timeout.
+    std::vector<std::shared_ptr<PendingHandshake>> evicted;
     if (st->pending.size() >= st->max_pending) {
-      evicted = EvictOldest(*st, kEvictedForNewer);
+      const size_t batch = std::clamp<size_t>(st->max_pending / 16, 1,
+                                              kMaxEvictionBatch);
+      while (evicted.size() < batch && !st->pending.empty()) {
+        evicted.push_back(EvictOldest(*st, kEvictedForNewer));
+      }
     }
     auto pending = std::make_shared<PendingHandshake>();
     st->pending.push_back(pending);
@@ -312,10 +326,20 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     st->NoteSizes();
     st->ctx->reactor().Spawn(ReadHandshake(st, pending, std::move(req)),
                              pending->stop.get_token());
-    if (evicted != nullptr) {
-      auto released = Released(std::move(evicted));
-      if (!co_await std::move(released)) break;  // closing
+    // An accept completes without suspending while the backlog holds
+    // connections: without a turn here, a flood's backlog would keep every
+    // other task of this reactor (its connections' calls) waiting.
+    co_await Reactor::Current()->Yield();
+    bool closing = st->closed;
+    for (auto& e : evicted) {
+      if (closing) break;
+      auto released = Released(std::move(e));
+      if (!co_await std::move(released)) {
+        closing = true;
+        break;
+      }
     }
+    if (closing) break;
   }
   st->ready_event.Set();
 }

@@ -80,7 +80,9 @@ struct ListenerOptions {
   int backlog = 1024;
   // TCP/rdma_cm request -> the peer's first message on the connection.
   absl::Duration accept_timeout = absl::Seconds(5);
-  // Handshakes being read at once; above it the oldest is dropped. On the
+  // Handshakes being read at once; above it the oldest are dropped (a
+  // sixteenth of the cap at once, at most 32, so that a flood's backlog
+  // drains at more than one accept per reactor turn). On the
   // soft provider each holds a descriptor (its socket), so the listener
   // also keeps below the process's descriptor limit: the cap in force is
   //   min(max_pending_handshakes, L - min(fd_reserve, L / 2))
