@@ -12,7 +12,8 @@
 #     silent sockets on it, re-opening those the server closes; then 7
 #     good echo_clients, one after another, must each be served within
 #     the hang guard ($guard s; the issue asks for 1 s: the times are
-#     printed). Before the fix none of 7 was served in 30 s ("soft:
+#     printed), with one retry per run for a client starved on a loaded
+#     host. Before the fix none of 7 was served in 30 s ("soft:
 #     io_uring_queue_init for the progress thread: Too many open files").
 #   exhaustion_test.sh <echo_server> <echo_client> <hostile_client>
 set -u
@@ -111,28 +112,29 @@ sleep 1
 fds=$(ls "/proc/$server/fd" | wc -l)
 echo "  echo_server holds $fds descriptors"
 ((fds >= 700)) || fail "the attack did not take hold: the server has $fds descriptors"
-times=""
-for i in $(seq 7); do
+times="" retried=""
+good_client() {  # -> rc; the time it took in $ms
+  local t0 rc
   t0=$(now_ms)
-  if ! timeout 30 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
-    --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1; then
-    # Under TSan the server's handshakes are slow enough that a good
-    # client can be the oldest pending one when the flood's churn evicts
-    # (seen once in 2 TSan runs, 2026-11-29): one retry there, none in
-    # plain or ASan builds.
-    if ldd "$server_bin" 2>/dev/null | grep -q libtsan && [[ -z "${retried:-}" ]]; then
-      retried=1
-      echo "  good client $i dropped under TSan; one retry"
-      timeout 30 "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
-        --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1 ||
-        { cat "$tmp/client.out"; fail "good client $i failed twice (rc $?)"; }
-    else
-      cat "$tmp/client.out"; fail "good client $i failed"
-    fi
-  fi
+  timeout $((guard + 5)) "$client_bin" --provider=soft --server=127.0.0.1 --port="$port" \
+    --calls=100 --concurrency=4 --size=64 >"$tmp/client.out" 2>&1
+  rc=$?
   ms=$(($(now_ms) - t0))
+  ((rc == 0 && ms < guard * 1000))
+}
+for i in $(seq 7); do
+  if ! good_client; then
+    # On a loaded 2-core host the flood, the server and the client share
+    # the cores; one client in 150 there (plain build, two busy loops
+    # beside it) was starved past the guard. One retry per run, in any
+    # build; a second miss, or a failed retry, fails the test.
+    [[ -z "$retried" ]] || { cat "$tmp/client.out"; fail "good client $i missed the guard ($ms ms), after one retry already"; }
+    retried=$i
+    echo "  good client $i missed the guard after $ms ms; one retry. It said:"
+    grep -v '^coverbs\[transport\] I' "$tmp/client.out" | tail -3 | sed 's/^/    /'
+    good_client || { cat "$tmp/client.out"; fail "good client $i missed the guard twice (retry: $ms ms)"; }
+  fi
   times="$times $ms"
-  ((ms < guard * 1000)) || fail "good client $i took $ms ms, guard $guard s"
   kill -0 "$server" 2>/dev/null || fail "echo_server died"
 done
 echo "  7 of 7 good clients served; each took (ms):$times"
