@@ -422,7 +422,9 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
   rdv_deferred_ = 0;
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     if (!it->ready) {
-      if (it->large != nullptr) rdv_held_ -= Pinned(it->size);
+      if (it->large != nullptr) {
+        HoldRendezvous(-static_cast<int64_t>(Pinned(it->size)));
+      }
       delete it->large;
       it = incoming_.erase(it);
     } else {
@@ -693,6 +695,8 @@ void ConnectionImpl::DetachFromWorker() {
   }
   send_pool_ = nullptr;
   staging_pool_ = nullptr;
+  // What this connection held leaves the Worker's rendezvous count.
+  HoldRendezvous(-static_cast<int64_t>(rdv_held_));
   detached_ = true;
   SharedOf(ctx_).connections.erase(this);
 }
@@ -704,6 +708,7 @@ ConnectionImpl::~ConnectionImpl() {
          absl::UnavailableError("the connection was destroyed"));
   }
   if (detached_) return;  // DetachFromWorker released the rest
+  HoldRendezvous(-static_cast<int64_t>(rdv_held_));
   SharedOf(ctx_).connections.erase(this);
   // Before the QP goes: its number may serve a new QP at once.
   SharedOf(ctx_).qp_events->Forget(qp_num_);

@@ -56,6 +56,9 @@ struct Incoming {
   // Granted rendezvous: its DONE must have come by then
   // (ConnectionOptions::rendezvous_done_timeout).
   SteadyTime done_by{};
+  // A landed message: its block's bytes, held against the rendezvous
+  // budgets until Recv takes it.
+  uint64_t landed_bytes = 0;
 };
 
 // The deliverable messages, in arrival order: a ring that doubles when
@@ -311,7 +314,15 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   static uint64_t Pinned(uint32_t size) {
     return LargeMemoryCache::BlockSize(size);
   }
-  // Whether a rendezvous of `size` bytes may be granted now.
+  // Adds `bytes` to (negative: takes them from) rdv_held_ and the Worker's
+  // count (WorkerOptions::rendezvous_budget).
+  void HoldRendezvous(int64_t bytes);
+  // Whether `pinned` more bytes fit the Worker's budget; first settles
+  // every connection of the Worker when they do not.
+  bool FitsWorkerBudget(uint64_t pinned);
+  // Whether a rendezvous of `size` bytes may be granted now (the
+  // connection's budget, then the Worker's: rdv_worker_limited_ says
+  // which one refused).
   bool FitsBudget(uint32_t size);
   // Gives `in` (a rendezvous request in incoming_) a buffer and sends its
   // CTS; false when no buffer could be had: the CTS said REFUSED and the
@@ -552,6 +563,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   };
   uint64_t rdv_held_ = 0;
   uint32_t rdv_deferred_ = 0;
+  // The last FitsBudget refused for the Worker's budget: RendezvousWatch
+  // polls for what other connections' applications take.
+  bool rdv_worker_limited_ = false;
   std::deque<ReadyLarge> rdv_ready_;
   bool rdv_watch_running_ = false;
   Event rdv_wake_{false};  // wakes RendezvousWatch (Fail sets it too)

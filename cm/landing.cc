@@ -239,7 +239,14 @@ bool ConnectionImpl::GrantsDue() const {
 
 void ConnectionImpl::TopUpGrants() {
   if (!landing_on_ || !status_.ok() || closing_) return;
-  while (granted_.size() < options_.landing_buffers) {
+  // What a grant would hold once landed; past the connection's or the
+  // Worker's rendezvous budget no grant is renewed and medium messages
+  // take the rendezvous, whose CTS waits (rendezvous.cc). The next RTS or
+  // landed message looks again.
+  const auto block_size =
+      static_cast<uint32_t>(options_.landing_buffer_size);
+  while (granted_.size() < options_.landing_buffers &&
+         FitsBudget(block_size)) {
     // Out of memory or registrations: medium messages take the
     // rendezvous, which refuses per message instead.
     LargeBuffer* lb = NewLandingBuffer();
@@ -373,8 +380,16 @@ bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h,
   // lasting registration (no remote access) -- dropping it cost a
   // deregistration here and a registration in the next NewLandingBuffer
   // per message.
+  // Held against the budgets until Recv takes it: past them no grant is
+  // renewed (TopUpGrants), so a peer cannot queue landed blocks without
+  // end while the application does not call Recv.
+  const uint64_t block = Pinned(static_cast<uint32_t>(options_.landing_buffer_size));
+  HoldRendezvous(static_cast<int64_t>(block));
+  stats_.rendezvous_bytes_held_peak =
+      std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
   Incoming in;
   in.ready = true;
+  in.landed_bytes = block;
   in.msg.data_ = lb->mem;
   in.msg.size_ = lb->size;
   in.msg.owner_ = lb;

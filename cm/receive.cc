@@ -223,6 +223,8 @@ void ConnectionImpl::Pump() {
       // Held against the budget until Recv takes it (SettleReady).
       rdv_ready_.push_back({ready_.pushed(), Pinned(in.size)});
       if (rdv_deferred_ > 0) WatchRendezvous();
+    } else if (in.landed_bytes > 0) {
+      rdv_ready_.push_back({ready_.pushed(), in.landed_bytes});
     }
     ready_.push_back(std::move(in.msg));
     ready_count_.Release(1);

@@ -235,12 +235,39 @@ LargeBuffer* ConnectionImpl::NewRendezvousBuffer(uint32_t length) {
 // messages answer requests in their order (the sender matches them to
 // its oldest request), so nothing overtakes a deferred request.
 
+void ConnectionImpl::HoldRendezvous(int64_t bytes) {
+  rdv_held_ += bytes;
+  if (detached_) return;  // the Worker is going; it counts no more
+  WorkerShared& w = SharedOf(ctx_);
+  w.rdv_held += bytes;
+  w.rdv_held_now.store(w.rdv_held, std::memory_order_relaxed);
+  if (w.rdv_held > w.rdv_held_peak.load(std::memory_order_relaxed)) {
+    w.rdv_held_peak.store(w.rdv_held, std::memory_order_relaxed);
+  }
+}
+
 void ConnectionImpl::SettleReady() {
   const uint64_t taken = ready_.popped();
+  uint64_t settled = 0;
   while (!rdv_ready_.empty() && rdv_ready_.front().index < taken) {
-    rdv_held_ -= rdv_ready_.front().bytes;
+    settled += rdv_ready_.front().bytes;
     rdv_ready_.pop_front();
   }
+  if (settled > 0) HoldRendezvous(-static_cast<int64_t>(settled));
+}
+
+bool ConnectionImpl::FitsWorkerBudget(uint64_t pinned) {
+  if (detached_) return true;
+  WorkerShared& w = SharedOf(ctx_);
+  const uint64_t budget = ctx_.options().rendezvous_budget;
+  auto fits = [&] {
+    return budget == 0 || w.rdv_held == 0 || w.rdv_held + pinned <= budget;
+  };
+  if (fits()) return true;
+  // Other connections' applications may have taken messages since their
+  // connection last looked (SettleReady is lazy).
+  for (ConnectionImpl* c : w.connections) c->SettleReady();
+  return fits();
 }
 
 uint64_t ConnectionImpl::RendezvousHeld() const {
@@ -255,10 +282,15 @@ uint64_t ConnectionImpl::RendezvousHeld() const {
 
 bool ConnectionImpl::FitsBudget(uint32_t size) {
   SettleReady();
+  rdv_worker_limited_ = false;
   // With nothing held, one message goes whatever the budget: a message up
   // to max_message_size is never refused for it.
-  return rdv_held_ == 0 ||
-         rdv_held_ + Pinned(size) <= options_.rendezvous_budget;
+  const uint64_t pinned = Pinned(size);
+  if (rdv_held_ != 0 && rdv_held_ + pinned > options_.rendezvous_budget) {
+    return false;
+  }
+  rdv_worker_limited_ = !FitsWorkerBudget(pinned);
+  return !rdv_worker_limited_;
 }
 
 bool ConnectionImpl::GrantRendezvous(Incoming& in) {
@@ -275,7 +307,7 @@ bool ConnectionImpl::GrantRendezvous(Incoming& in) {
   std::memcpy(cts.data(), &p, kCtsSize);
   in.large = lb;
   in.deferred = false;
-  rdv_held_ += Pinned(in.size);
+  HoldRendezvous(static_cast<int64_t>(Pinned(in.size)));
   stats_.rendezvous_bytes_held_peak =
       std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
   const absl::Duration timeout = options_.rendezvous_done_timeout;
@@ -329,6 +361,10 @@ bool ConnectionImpl::OnRts(const WireHeader& h) {
   ++rdv_deferred_;
   ++stats_.rendezvous_deferred;
   SharedOf(ctx_).rendezvous_deferred.fetch_add(1, std::memory_order_relaxed);
+  if (rdv_worker_limited_) {
+    SharedOf(ctx_).rendezvous_deferred_by_worker.fetch_add(
+        1, std::memory_order_relaxed);
+  }
   WatchRendezvous();
   return true;
 }
@@ -409,7 +445,9 @@ Task<void> ConnectionImpl::RendezvousWatch() {
       }
       next = oldest->done_by;
     }
-    if (rdv_deferred_ > 0 && !rdv_ready_.empty()) {
+    // Messages this connection queued may be taken by Recv; with the
+    // Worker's budget spent, other connections' may.
+    if (rdv_deferred_ > 0 && (!rdv_ready_.empty() || rdv_worker_limited_)) {
       const SteadyTime poll = now + absl::ToChronoNanoseconds(poll_every);
       if (!next.has_value() || poll < *next) next = poll;
     }
@@ -428,7 +466,7 @@ bool ConnectionImpl::OnDone(const WireHeader& h) {
   for (auto it = incoming_.begin(); it != incoming_.end(); ++it) {
     if (!it->ready && it->large != nullptr && it->cookie == h.cookie) {
       if (h.flags & kFlagAborted) {
-        rdv_held_ -= Pinned(it->size);
+        HoldRendezvous(-static_cast<int64_t>(Pinned(it->size)));
         delete it->large;
         incoming_.erase(it);
       } else {
@@ -489,6 +527,10 @@ Worker::RendezvousUsage Worker::rendezvous_usage() const {
   u.budget_violations =
       w.rendezvous_budget_violations.load(std::memory_order_relaxed);
   u.done_timeouts = w.rendezvous_done_timeouts.load(std::memory_order_relaxed);
+  u.held_bytes = w.rdv_held_now.load(std::memory_order_relaxed);
+  u.held_bytes_peak = w.rdv_held_peak.load(std::memory_order_relaxed);
+  u.deferred_by_worker =
+      w.rendezvous_deferred_by_worker.load(std::memory_order_relaxed);
   return u;
 }
 

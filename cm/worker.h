@@ -98,6 +98,15 @@ struct WorkerOptions {
   // connections closed keeps one block per size it served. 0 = allocate
   // and free per transfer.
   size_t rendezvous_cache_bytes = 64ull << 20;
+  // Rendezvous and landed receive memory all of this Worker's connections
+  // may hold for their peers at once -- granted and awaiting DONE, or
+  // received and not yet taken by Recv -- on top of each connection's own
+  // ConnectionOptions::rendezvous_budget. Beyond it a request's CTS waits
+  // (its sender waits, no connection ends) and no landing grant is
+  // renewed, until Recv takes messages or transfers end; with nothing
+  // held on the Worker one message goes whatever the budget. Deferred
+  // requests look again every 1-64 ms. 0: no Worker-wide bound.
+  uint64_t rendezvous_budget = 1ull << 30;
 };
 
 class Worker {
@@ -144,6 +153,13 @@ class Worker {
     uint64_t deferred = 0;
     uint64_t budget_violations = 0;
     uint64_t done_timeouts = 0;
+    // Bytes held against WorkerOptions::rendezvous_budget now (settled when
+    // a connection looks: messages Recv took since may still count), the
+    // most ever held, and of `deferred` the requests deferred by the
+    // Worker's budget rather than their connection's.
+    uint64_t held_bytes = 0;
+    uint64_t held_bytes_peak = 0;
+    uint64_t deferred_by_worker = 0;
   };
   RendezvousUsage rendezvous_usage() const;
 

@@ -49,6 +49,13 @@ struct WorkerShared {
   std::atomic<uint64_t> rendezvous_deferred{0};
   std::atomic<uint64_t> rendezvous_budget_violations{0};
   std::atomic<uint64_t> rendezvous_done_timeouts{0};
+  std::atomic<uint64_t> rendezvous_deferred_by_worker{0};
+  // Bytes held against WorkerOptions::rendezvous_budget by the connections
+  // (ConnectionImpl::HoldRendezvous); written on the reactor thread, the
+  // atomics mirror it for rendezvous_usage().
+  uint64_t rdv_held = 0;
+  std::atomic<uint64_t> rdv_held_now{0};
+  std::atomic<uint64_t> rdv_held_peak{0};
   // The shared receive queue and its buffers (ConnectionOptions::use_srq);
   // created by the first connection that asks for it.
   SrqPool* srq_pool = nullptr;

@@ -166,6 +166,103 @@ TEST_P(RendezvousBudgetTest, BudgetBelowOneMessageStillDeliversIt) {
   }(this));
 }
 
+// The Worker's budget (WorkerOptions::rendezvous_budget) bounds what all
+// its connections hold together: with 3 MiB, a connection that sends four
+// 1 MiB messages the application does not take fills it, and a second
+// connection's requests wait -- deferred, counted as the Worker's, no
+// connection ended -- until the first one's messages are taken.
+TEST_P(RendezvousBudgetTest, WorkerBudgetHoldsAcrossConnections) {
+  WorkerOptions wo;
+  wo.rendezvous_budget = 3 * kMiB;
+  auto w = Worker::Create(*reactor_, *device_, wo);
+  ASSERT_TRUE(w.ok()) << w.status();
+  server_ctx_ = *std::move(w);
+  Run([](RendezvousBudgetTest* t) -> Task<void> {
+    auto a = co_await t->MakePairWith(Budgeted(256 * kMiB));
+    CO_ASSERT_OK(a);
+    auto b = co_await t->MakePairWith(Budgeted(256 * kMiB));
+    CO_ASSERT_OK(b);
+    const std::vector<size_t> a_sizes(4, kMiB), b_sizes(2, kMiB);
+    const auto a_bodies = Bodies(a_sizes);
+    const auto b_bodies = Bodies(b_sizes);
+    int failures = 0;
+    WaitGroup sent;
+    t->SendAll(a->client.get(), &a_bodies, &failures, &sent);
+    bool a_waits = co_await t->Until(a->server.get(), [](const auto& st) {
+      return st.rendezvous_deferred > 0;
+    });
+    EXPECT_TRUE(a_waits) << "a's fourth request was not deferred";
+    t->SendAll(b->client.get(), &b_bodies, &failures, &sent);
+    bool b_waits = co_await t->Until(b->server.get(), [](const auto& st) {
+      return st.rendezvous_deferred > 0;
+    });
+    EXPECT_TRUE(b_waits) << "b's requests were not deferred";
+    co_await t->reactor_->Sleep(absl::Milliseconds(50));
+    Worker::RendezvousUsage u = a->server->worker().rendezvous_usage();
+    EXPECT_LE(u.held_bytes, 3 * kMiB);
+    EXPECT_GE(u.deferred_by_worker, 2u);  // b's two at least
+    EXPECT_EQ(b->server->stats().rendezvous_received, 2u);
+    EXPECT_EQ(b->server->stats().rendezvous_bytes_held, 0u);
+    // a's application takes its messages: a's last, then b's, are granted.
+    co_await RecvAll(a->server.get(), a_sizes);
+    co_await RecvAll(b->server.get(), b_sizes);
+    co_await sent.Wait();
+    EXPECT_EQ(failures, 0);
+    u = a->server->worker().rendezvous_usage();
+    EXPECT_LE(u.held_bytes_peak, 3 * kMiB);
+    EXPECT_EQ(u.budget_violations, 0u);
+    EXPECT_TRUE(a->server->status().ok()) << a->server->status();
+    EXPECT_TRUE(b->server->status().ok()) << b->server->status();
+    co_await Close(*a);
+    co_await Close(*b);
+    // What the connections held leaves the Worker's count when they go (a
+    // message Recv took is settled lazily: when its connection looks).
+    a->server.reset();
+    b->server.reset();
+    for (int i = 0; i < 400 && t->server_ctx_->rendezvous_usage().held_bytes;
+         ++i) {
+      co_await t->reactor_->Sleep(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(t->server_ctx_->rendezvous_usage().held_bytes, 0u);
+  }(this));
+}
+
+// Landed messages (medium sizes, written into landing grants) count
+// against the budget until Recv takes them: past it no grant is renewed
+// and the sender's messages take the rendezvous, whose CTS waits. 64
+// messages of 64 KiB (128 KiB blocks: 8 MiB) to an application that does
+// not Recv hold at most the budget plus the grants given before it filled.
+TEST_P(RendezvousBudgetTest, LandedMessagesCountAgainstTheBudget) {
+  Run([](RendezvousBudgetTest* t) -> Task<void> {
+    ConnectionOptions o = Budgeted(kMiB);
+    o.landing_buffers = 8;  // 8 x 128 KiB grants
+    auto p = co_await t->MakePairWith(o);
+    CO_ASSERT_OK(p);
+    const std::vector<size_t> sizes(64, 64 * 1024);
+    const auto bodies = Bodies(sizes);
+    int failures = 0;
+    WaitGroup sent;
+    t->SendAll(p->client.get(), &bodies, &failures, &sent);
+    bool deferred = co_await t->Until(p->server.get(), [](const auto& st) {
+      return st.rendezvous_deferred > 0;
+    });
+    EXPECT_TRUE(deferred) << "nothing was held back";
+    co_await t->reactor_->Sleep(absl::Milliseconds(50));
+    Connection::Stats st = p->server->stats();
+    EXPECT_GT(st.landed_received, 0u);
+    // The budget, the 8 grants out when it filled, and one message beyond.
+    EXPECT_LE(st.rendezvous_bytes_held, 2 * kMiB + 128 * 1024);
+    co_await RecvAll(p->server.get(), sizes);
+    co_await sent.Wait();
+    EXPECT_EQ(failures, 0);
+    st = p->server->stats();
+    EXPECT_LE(st.rendezvous_bytes_held_peak, 2 * kMiB + 128 * 1024);
+    EXPECT_EQ(st.rendezvous_budget_violations, 0u);
+    EXPECT_TRUE(p->server->status().ok()) << p->server->status();
+    co_await Close(*p);
+  }(this));
+}
+
 // The DONE deadline runs from the CTS: a request deferred for longer
 // (the receiving application took nothing for 700 ms) is no timeout.
 TEST_P(RendezvousBudgetTest, DeferralDoesNotCountAgainstTheDoneDeadline) {
