@@ -89,6 +89,10 @@ class ServerMetrics::StatsCollectable : public prometheus::Collectable {
                d(s.accept_errors)),
         Family("pending_handshakes", "Handshakes being read now.", kGauge,
                d(s.pending_handshakes)),
+        Family("evicted_handshakes_total",
+               "Pending handshakes dropped for newer connections or to free "
+               "a descriptor.",
+               kCounter, d(s.evicted_handshakes)),
         Family("calls_total", "Handlers started.", kCounter, d(s.calls)),
         Family("failed_calls_total", "Handlers that returned an error.",
                kCounter, d(s.failed_calls)),
@@ -115,6 +119,21 @@ class ServerMetrics::StatsCollectable : public prometheus::Collectable {
         Family("copied_requests_total",
                "Small request payloads copied to free receive buffers.",
                kCounter, d(s.copied_requests)),
+        Family("rendezvous_held_bytes",
+               "Rendezvous and landed receive memory held for peers now.",
+               kGauge, d(s.rendezvous_held_bytes)),
+        Family("rendezvous_deferred_total",
+               "Rendezvous requests whose CTS waited for a budget.", kCounter,
+               d(s.rendezvous_deferred)),
+        Family("rendezvous_budget_violations_total",
+               "Connections ended for asking beyond the rendezvous budget.",
+               kCounter, d(s.rendezvous_budget_violations)),
+        Family("rendezvous_done_timeouts_total",
+               "Connections ended for withholding a rendezvous DONE.",
+               kCounter, d(s.rendezvous_done_timeouts)),
+        Family("reactor_stalls_total",
+               "Tasks that ran past the stall threshold without yielding.",
+               kCounter, d(s.reactor_stalls)),
     };
   }
 

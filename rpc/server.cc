@@ -248,9 +248,11 @@ Server::Stats Server::stats() const {
       s.rejected_connections = ls.rejected;
       s.accept_errors = ls.accept_errors;
       s.pending_handshakes = ls.pending;
+      s.evicted_handshakes = ls.evicted;
     } else {
       s.rejected_connections = final_listener_.rejected;
       s.accept_errors = final_listener_.accept_errors;
+      s.evicted_handshakes = final_listener_.evicted;
     }
   }
   s.calls = stats_.calls.load();
@@ -267,6 +269,15 @@ Server::Stats Server::stats() const {
     // The Workers live until Shutdown returns (Start's contract).
     std::lock_guard<std::mutex> lock(mu_);
     s.reactor_stalls = shut_down_ ? final_stalls_ : StallsLocked();
+    if (!shut_down_) {
+      for (cm::Worker* w : workers_) {
+        const cm::Worker::RendezvousUsage u = w->rendezvous_usage();
+        s.rendezvous_held_bytes += u.held_bytes;
+        s.rendezvous_deferred += u.deferred;
+        s.rendezvous_budget_violations += u.budget_violations;
+        s.rendezvous_done_timeouts += u.done_timeouts;
+      }
+    }
   }
   return s;
 }

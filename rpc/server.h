@@ -208,6 +208,9 @@ class Server {
     uint64_t rejected_connections = 0;
     uint64_t accept_errors = 0;
     uint64_t pending_handshakes = 0;  // being read now
+    // Pending handshakes dropped for newer connections or to free a
+    // descriptor (cm::ListenerOptions::max_pending_handshakes).
+    uint64_t evicted_handshakes = 0;
     uint64_t calls = 0;            // handlers started
     uint64_t failed_calls = 0;     // handlers that returned an error
     uint64_t request_bytes = 0;    // request payloads received
@@ -228,6 +231,15 @@ class Server {
     // stall_threshold): a task, usually a handler, that ran without
     // yielding past the threshold while every other call waited.
     uint64_t reactor_stalls = 0;
+    // The rendezvous budgets over the server's Workers
+    // (cm::Worker::rendezvous_usage): bytes held now against
+    // cm::WorkerOptions::rendezvous_budget; requests whose CTS was deferred
+    // (a peer beyond a budget waited); connections ended for breaking the
+    // budget or for withholding a DONE.
+    uint64_t rendezvous_held_bytes = 0;
+    uint64_t rendezvous_deferred = 0;
+    uint64_t rendezvous_budget_violations = 0;
+    uint64_t rendezvous_done_timeouts = 0;
     // Connections that ended, by why (indexed by cm::CloseCause; a bad
     // RPC frame counts as kProtocolViolation).
     std::array<uint64_t, cm::kCloseCauses> closed_by_cause{};

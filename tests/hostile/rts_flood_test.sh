@@ -38,7 +38,7 @@ fail() {
 
 addr=127.0.0.1
 "$server_bin" --provider=soft --address="$addr" --port=0 --threads=2 \
-  --port_file="$tmp/port" >"$log" 2>&1 &
+  --port_file="$tmp/port" --metrics_port=0 >"$log" 2>&1 &
 server=$!
 trap 'kill -9 $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
@@ -177,6 +177,20 @@ grep -q "peer sent no DONE for rendezvous" "$log" ||
   fail "no log line for the withheld DONE"
 check_peaks 2 "withheld DONE"
 good_client 10 "after the withheld DONE"
+
+# The budgets' counters on /metrics: deferred requests, the connections
+# ended for breaking the budget and for withholding a DONE.
+mport=$(sed -n 's/^echo_server: metrics on port \([0-9]*\)$/\1/p' "$log")
+[[ -n "$mport" ]] || fail "echo_server printed no metrics port"
+curl -sS --max-time 10 "http://$addr:$mport/metrics" >"$tmp/scrape" ||
+  fail "scraping /metrics failed"
+metric() { awk -v k="coverbs_rpc_server_$1" '$1 == k {print int($2)}' "$tmp/scrape"; }
+deferred=$(metric rendezvous_deferred_total)
+violations=$(metric rendezvous_budget_violations_total)
+timeouts=$(metric rendezvous_done_timeouts_total)
+echo "  /metrics: rendezvous_deferred_total $deferred, rendezvous_budget_violations_total $violations, rendezvous_done_timeouts_total $timeouts"
+((${deferred:-0} > 0 && ${violations:-0} > 0 && ${timeouts:-0} >= 1)) ||
+  fail "the budgets' counters did not move on /metrics"
 
 # Back to the baseline: no connection open, memory within the rendezvous
 # cache's idle block (64 MiB) and 16 MiB.
