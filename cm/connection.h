@@ -124,6 +124,15 @@ struct ConnectionOptions {
   // queued ahead of it) and the transport's retries count. Zero or
   // infinite: no deadline.
   absl::Duration rendezvous_done_timeout = absl::Seconds(30);
+  // Exposures this connection holds at once (Expose with
+  // ExposeScope::kConnection, until Revoke or the connection's end): at
+  // most max_exposures of them and max_exposed_bytes of memory in all.
+  // Past either bound Expose fails with ResourceExhausted naming it -- the
+  // handler's error, not the connection's -- so a peer that asks for
+  // exposure after exposure and never lets one go costs a bounded amount of
+  // pinned memory and windows. 0: no bound.
+  uint32_t max_exposures = 1024;
+  uint64_t max_exposed_bytes = 1ull << 30;
   // Send-queue depth: work requests posted at once (more wait, FIFO).
   // Each connection reserves send_depth + 10 + recv_credits + 6 entries of
   // its Worker's CQ (WorkerOptions::cq_entries). 0: 64, or 16 with use_srq
@@ -350,6 +359,14 @@ class Connection {
   // a remote access error. NotFound for a token this connection did not
   // expose (or already revoked).
   absl::Status Revoke(const transport::RemoteRegion& token);
+  // Expose (this connection only) that also keeps `owner` -- what owns
+  // the memory and `mr`, e.g. a shared_ptr to a struct holding both --
+  // alive until the exposure ends (Revoke, Close, the connection's end),
+  // released only after the window is gone: memory handed to one peer
+  // that lives exactly as long as that peer may reach it.
+  absl::StatusOr<transport::RemoteRegion> ExposeOwned(
+      std::shared_ptr<void> owner, const transport::MemoryRegion& mr,
+      transport::Access access);
   // RDMA READ / WRITE between `local` and a peer's token. These and the
   // atomics below run to their completion whatever the awaiting
   // coroutine's stop token says: a NIC cannot take a posted work request
@@ -428,6 +445,11 @@ class Connection {
     // peers.
     uint64_t rendezvous_budget_violations = 0;
     uint64_t rendezvous_done_timeouts = 0;
+    // Connection-scope exposures live now, their bytes, and the Expose
+    // calls refused by max_exposures / max_exposed_bytes.
+    uint64_t exposures = 0;
+    uint64_t exposed_bytes = 0;
+    uint64_t exposures_refused = 0;
   };
   Stats stats() const;
 

@@ -605,6 +605,7 @@ Task<absl::Status> ConnectionImpl::Close() {
     Fail(CloseCause::kLocalClose, absl::UnavailableError("closed locally"));
   }
   exposures_.clear();  // their tokens end with the connection
+  exposed_bytes_ = 0;
   absl::Status result;
   if (link_ != nullptr) {
     link_->Disconnect();
@@ -665,6 +666,7 @@ void ConnectionImpl::DetachFromWorker() {
   // What lives in the Worker's PD goes before the PD: exposures (window,
   // then its registration), idle landing windows, the atomics buffer.
   exposures_.clear();
+  exposed_bytes_ = 0;
   free_windows_.clear();
   atomic_mr_.Deregister();
   // Messages not handed out give their receive buffers back to the ring or

@@ -176,6 +176,13 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
                                    size_t length, RemoteRegion r);
   Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
                                         uint64_t b);
+  // The exposure with `rkey` releases `owner` after its window
+  // (Connection::ExposeOwned).
+  void KeepWithExposure(uint32_t rkey, std::shared_ptr<void> owner) {
+    for (auto& e : exposures_) {
+      if (e->rkey == rkey) e->owner = std::move(owner);
+    }
+  }
   // Connection::Expose (ExposeScope::kConnection) and Revoke (one_sided.cc).
   absl::StatusOr<RemoteRegion> ExposeWindow(const MemoryRegion& mr, int access,
                                             size_t offset, size_t length);
@@ -215,6 +222,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
     st.recv_window = RecvWindow();
     st.recv_window_peak = std::max(window_peak_, st.recv_window);
     st.rendezvous_bytes_held = RendezvousHeld();
+    st.exposures = exposures_.size();
+    st.exposed_bytes = exposed_bytes_;
     return st;
   }
   const ConnectionOptions& options() const { return options_; }
@@ -620,12 +629,17 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // Exposures (one_sided.cc): each a window bound to this QP over a
   // registration of its own (MW_BIND, no remote access), ended by Revoke,
   // Close or destruction (the window goes before its registration).
+  // Members go in reverse order: the window ends, then its registration,
+  // then what the owner kept (ExposeOwned).
   struct Exposure {
+    std::shared_ptr<void> owner;
     MemoryRegion mr;
     transport::MemoryWindow window;
     uint32_t rkey = 0;
+    uint64_t bytes = 0;
   };
   std::vector<std::unique_ptr<Exposure>> exposures_;
+  uint64_t exposed_bytes_ = 0;  // of exposures_
 
   Connection::Stats stats_;
 };

@@ -113,6 +113,26 @@ absl::StatusOr<RemoteRegion> ConnectionImpl::ExposeWindow(
     return absl::InvalidArgumentError(
         absl::StrCat("expose on ", name_, ": an empty range"));
   }
+  const bool too_many = options_.max_exposures != 0 &&
+                        exposures_.size() >= options_.max_exposures;
+  if (too_many || (options_.max_exposed_bytes != 0 &&
+                   exposed_bytes_ + length > options_.max_exposed_bytes)) {
+    ++stats_.exposures_refused;
+    SharedOf(ctx_).exposures_refused.fetch_add(1, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(
+        too_many
+            ? absl::StrFormat(
+                  "expose on %s: %d exposures live, the most this connection "
+                  "may hold (ConnectionOptions::max_exposures); revoke one "
+                  "first",
+                  name_, exposures_.size())
+            : absl::StrFormat(
+                  "expose on %s: %d bytes exposed and %d more would pass "
+                  "ConnectionOptions::max_exposed_bytes (%d); revoke one "
+                  "first",
+                  name_, exposed_bytes_, length,
+                  options_.max_exposed_bytes));
+  }
   constexpr int kWrites = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
   if ((access & kWrites) != 0 && (mr.access() & IBV_ACCESS_LOCAL_WRITE) == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -149,6 +169,8 @@ absl::StatusOr<RemoteRegion> ConnectionImpl::ExposeWindow(
         absl::StrCat("expose on ", name_, ": ", rkey.status().message()));
   }
   e->rkey = *rkey;
+  e->bytes = length;
+  exposed_bytes_ += length;
   exposures_.push_back(std::move(e));
   return RemoteRegion{reinterpret_cast<uint64_t>(base), length, *rkey};
 }
@@ -157,7 +179,8 @@ absl::Status ConnectionImpl::Revoke(const RemoteRegion& token) {
   for (auto it = exposures_.begin(); it != exposures_.end(); ++it) {
     if ((*it)->rkey == token.rkey) {
       // Deallocating the window ends it (soft and verbs alike); its
-      // registration goes after it.
+      // registration goes after it, then what its owner kept.
+      exposed_bytes_ -= (*it)->bytes;
       exposures_.erase(it);
       return absl::OkStatus();
     }
@@ -197,6 +220,15 @@ absl::StatusOr<transport::RemoteRegion> Connection::Expose(
         name(), mr.access(), access & ~mr.access()));
   }
   return mr.Remote(offset, length);
+}
+
+absl::StatusOr<transport::RemoteRegion> Connection::ExposeOwned(
+    std::shared_ptr<void> owner, const transport::MemoryRegion& mr,
+    transport::Access access) {
+  auto token = Expose(mr, access);
+  if (!token.ok()) return token;
+  impl_->KeepWithExposure(token->rkey, std::move(owner));
+  return token;
 }
 
 absl::StatusOr<transport::RemoteRegion> Connection::Expose(

@@ -516,6 +516,10 @@ void ConnectionImpl::OnRendezvousImm(RecvSlot* slot, const ibv_wc& wc) {
 
 namespace coverbs::cm {
 
+uint64_t Worker::exposures_refused() const {
+  return shared_->exposures_refused.load(std::memory_order_relaxed);
+}
+
 Worker::RendezvousUsage Worker::rendezvous_usage() const {
   RendezvousUsage u;
   const internal::WorkerShared& w = *shared_;

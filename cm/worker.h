@@ -162,6 +162,10 @@ class Worker {
     uint64_t deferred_by_worker = 0;
   };
   RendezvousUsage rendezvous_usage() const;
+  // Expose calls of this Worker's connections refused by their exposure
+  // bounds (ConnectionOptions::max_exposures, max_exposed_bytes) since the
+  // Worker was made. Safe from any thread.
+  uint64_t exposures_refused() const;
 
  private:
   friend class internal::WorkerAccess;

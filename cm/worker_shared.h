@@ -50,6 +50,9 @@ struct WorkerShared {
   std::atomic<uint64_t> rendezvous_budget_violations{0};
   std::atomic<uint64_t> rendezvous_done_timeouts{0};
   std::atomic<uint64_t> rendezvous_deferred_by_worker{0};
+  // Expose calls refused by ConnectionOptions::max_exposures /
+  // max_exposed_bytes (Worker::exposures_refused).
+  std::atomic<uint64_t> exposures_refused{0};
   // Bytes held against WorkerOptions::rendezvous_budget by the connections
   // (ConnectionImpl::HoldRendezvous); written on the reactor thread, the
   // atomics mirror it for rendezvous_usage().

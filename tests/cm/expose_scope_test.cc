@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "cm/connection_test_peer.h"
 #include "gtest/gtest.h"
 #include "tests/cm/cm_fixture.h"
@@ -151,6 +152,76 @@ TEST_P(ExposeScopeTest, RevokedTokenIsRefused) {
     EXPECT_TRUE(Same(m->data(), msg));
     co_await Close(s.attacker);
     co_await Close(s.victim);
+  }(this));
+}
+
+// Issue 37: a connection holds at most max_exposures exposures and
+// max_exposed_bytes bytes; past either Expose fails with ResourceExhausted
+// naming the bound (counted), the connection keeps working, and a Revoke
+// makes room. ExposeOwned keeps its owner exactly until the exposure ends.
+TEST_P(ExposeScopeTest, ExposuresPerConnectionAreBounded) {
+  if (!Windows()) GTEST_SKIP() << NoWindows();
+  Run([](ExposeScopeTest* t) -> Task<void> {
+    ConnectionOptions o;
+    o.max_exposures = 4;
+    o.max_exposed_bytes = 10000;
+    auto p = co_await t->MakePairWith(o);
+    CO_ASSERT_OK(p);
+    std::vector<std::byte> region = Pattern(16384, 5);
+    auto mr = t->server_ctx_->pd().Register(region.data(), region.size(),
+                                            IBV_ACCESS_LOCAL_WRITE);
+    CO_ASSERT_OK(mr);
+    std::vector<transport::RemoteRegion> tokens;
+    for (int i = 0; i < 4; ++i) {
+      auto tok = p->server->Expose(*mr, transport::Access::kRemoteRead,
+                                   i * 1000, 1000);
+      CO_ASSERT_OK(tok);
+      tokens.push_back(*tok);
+    }
+    auto fifth = p->server->Expose(*mr, transport::Access::kRemoteRead, 0, 10);
+    EXPECT_EQ(fifth.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(absl::StrContains(fifth.status().message(),
+                                  "ConnectionOptions::max_exposures"))
+        << fifth.status();
+    CO_ASSERT_OK(p->server->Revoke(tokens.back()));
+    tokens.pop_back();
+    // 3,000 bytes exposed: 8,000 more would pass the 10,000-byte bound.
+    auto big = p->server->Expose(*mr, transport::Access::kRemoteRead, 0, 8000);
+    EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(absl::StrContains(big.status().message(),
+                                  "ConnectionOptions::max_exposed_bytes"))
+        << big.status();
+    Connection::Stats st = p->server->stats();
+    EXPECT_EQ(st.exposures, 3u);
+    EXPECT_EQ(st.exposed_bytes, 3000u);
+    EXPECT_EQ(st.exposures_refused, 2u);
+    EXPECT_EQ(t->server_ctx_->exposures_refused(), 2u);
+    // The exposures still work, and the connection carries messages.
+    std::vector<std::byte> back(1000);
+    CO_ASSERT_OK(co_await p->client->Read(std::span(back), tokens[1]));
+    EXPECT_TRUE(Same(back, std::span(region).subspan(1000, 1000)));
+    // ExposeOwned: the owner lives as long as the exposure.
+    auto owned = std::make_shared<std::vector<std::byte>>(Pattern(500, 8));
+    std::weak_ptr<std::vector<std::byte>> watch = owned;
+    auto omr = t->server_ctx_->pd().Register(owned->data(), owned->size(), 0);
+    CO_ASSERT_OK(omr);
+    struct Owner {
+      std::shared_ptr<std::vector<std::byte>> bytes;
+      transport::MemoryRegion mr;
+    };
+    auto owner = std::make_shared<Owner>(Owner{owned, *std::move(omr)});
+    const transport::MemoryRegion& region_of_owner = owner->mr;
+    auto otok = p->server->ExposeOwned(std::move(owner), region_of_owner,
+                                       transport::Access::kRemoteRead);
+    CO_ASSERT_OK(otok);
+    owned.reset();
+    EXPECT_FALSE(watch.expired()) << "the exposure let its owner go";
+    std::vector<std::byte> obytes(500);
+    CO_ASSERT_OK(co_await p->client->Read(std::span(obytes), *otok));
+    EXPECT_TRUE(Same(obytes, Pattern(500, 8)));
+    CO_ASSERT_OK(p->server->Revoke(*otok));
+    EXPECT_TRUE(watch.expired()) << "revoked, the owner is still held";
+    co_await Close(*p);
   }(this));
 }
 
