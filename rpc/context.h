@@ -76,6 +76,36 @@ class Context {
     return conn_->Expose(mr, access, offset, length);
   }
 
+  // Moves `bytes` (a std::string or std::vector<std::byte>, say) into an
+  // exposure for this caller's connection only, read-only: the token
+  // reaches them until Revoke(token) -- e.g. from a "release" method the
+  // caller invokes once it read them -- or the connection's end, and the
+  // bytes are freed right after the exposure ended. Counts against the
+  // connection's ConnectionOptions::max_exposures and max_exposed_bytes
+  // (ResourceExhausted past them: a caller that never releases is refused,
+  // its memory stays bounded). Errors as Connection::Expose's.
+  template <typename Bytes>
+  absl::StatusOr<transport::RemoteRegion> ExposeBytes(Bytes bytes) const {
+    struct Owned {
+      Bytes bytes;
+      transport::MemoryRegion mr;
+    };
+    auto owned = std::make_shared<Owned>(Owned{std::move(bytes), {}});
+    auto span = std::as_writable_bytes(std::span(owned->bytes));
+    auto mr = conn_->worker().pd().Register(span, transport::Access::kNone);
+    if (!mr.ok()) return mr.status();
+    owned->mr = *std::move(mr);
+    const transport::MemoryRegion& region = owned->mr;
+    return conn_->ExposeOwned(std::move(owned), region,
+                              transport::Access::kRemoteRead);
+  }
+  // connection().Revoke: ends an exposure of this caller's connection (and
+  // frees what ExposeBytes kept for it). NotFound for a token this
+  // connection does not hold.
+  absl::Status Revoke(const transport::RemoteRegion& token) const {
+    return conn_->Revoke(token);
+  }
+
   // Keeps `owner` alive until the connection has closed (then releases
   // what it kept on the connection's reactor, newest first: keep a buffer,
   // then its MemoryRegion): for memory exposed to this caller that

@@ -276,6 +276,7 @@ Server::Stats Server::stats() const {
         s.rendezvous_deferred += u.deferred;
         s.rendezvous_budget_violations += u.budget_violations;
         s.rendezvous_done_timeouts += u.done_timeouts;
+        s.exposures_refused += w->exposures_refused();
       }
     }
   }

@@ -240,6 +240,9 @@ class Server {
     uint64_t rendezvous_deferred = 0;
     uint64_t rendezvous_budget_violations = 0;
     uint64_t rendezvous_done_timeouts = 0;
+    // Expose calls refused by a connection's exposure bounds
+    // (cm::ConnectionOptions::max_exposures, max_exposed_bytes).
+    uint64_t exposures_refused = 0;
     // Connections that ended, by why (indexed by cm::CloseCause; a bad
     // RPC frame counts as kProtocolViolation).
     std::array<uint64_t, cm::kCloseCauses> closed_by_cause{};

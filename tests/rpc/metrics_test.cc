@@ -155,6 +155,7 @@ TEST(ServerMetricsTest, ExportsCallsPerMethodAndServerCounters) {
         "coverbs_rpc_server_rendezvous_deferred_total 0",
         "coverbs_rpc_server_rendezvous_budget_violations_total 0",
         "coverbs_rpc_server_rendezvous_done_timeouts_total 0",
+        "coverbs_rpc_server_exposures_refused_total 0",
         "coverbs_rpc_server_reactor_stalls_total"}) {
     EXPECT_TRUE(absl::StrContains(text, family)) << family << "\n" << text;
   }
