@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <future>
 #include <memory>
 #include <utility>
 
@@ -52,6 +54,66 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
 
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main) {
   return RunMain(std::move(main), RunOptions());
+}
+
+namespace {
+
+Task<void> RunOnPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)>* main,
+    rpc::ClientPool* pool, std::promise<absl::Status>* done) {
+  absl::Status s = co_await (*main)(*pool);
+  done->set_value(std::move(s));
+}
+
+}  // namespace
+
+int RunClientPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)> main,
+    rpc::ClientPoolOptions pool_options, const PoolRunOptions& options) {
+  std::unique_ptr<transport::Device> owned;
+  transport::Device* device = options.device;
+  if (device == nullptr) {
+    auto d = transport::Device::Open(options.provider);
+    if (!d.ok()) {
+      COVERBS_LOG(kError, "run", "opening the device: %s",
+                  d.status().ToString().c_str());
+      return 1;
+    }
+    owned = *std::move(d);
+    device = owned.get();
+  }
+  cm::WorkerPool::Options wo;
+  wo.threads = std::max<size_t>(1, options.threads);
+  wo.reactor = options.reactor;
+  wo.worker = options.worker;
+  auto workers = cm::WorkerPool::Create(*device, wo);
+  if (!workers.ok()) {
+    COVERBS_LOG(kError, "run", "starting %d reactors: %s", wo.threads,
+                workers.status().ToString().c_str());
+    return 1;
+  }
+  auto pool = rpc::ClientPool::Create(**workers, std::move(pool_options));
+  if (!pool.ok()) {
+    COVERBS_LOG(kError, "run", "creating the client pool: %s",
+                pool.status().ToString().c_str());
+    return 1;
+  }
+  std::promise<absl::Status> done;
+  std::future<absl::Status> result = done.get_future();
+  (*workers)->reactors().Spawn(0, RunOnPool(&main, pool->get(), &done));
+  absl::Status s = result.get();
+  if (!s.ok()) COVERBS_LOG(kError, "run", "%s", s.ToString().c_str());
+  (*pool)->Shutdown();
+  pool->reset();
+  workers->reset();
+  return s.ok() ? 0 : 1;
+}
+
+int RunClientPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)> main,
+    rpc::ClientPoolOptions pool_options) {
+  return RunClientPool(std::move(main), std::move(pool_options),
+                       PoolRunOptions());
 }
 
 int Serve(rpc::Server& server, const std::string& address, uint16_t port,

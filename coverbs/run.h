@@ -31,6 +31,7 @@
 #include "cm/worker_pool.h"
 #include "core/reactor.h"
 #include "core/task.h"
+#include "rpc/client_pool.h"
 #include "rpc/server.h"
 #include "transport/device.h"
 #include "transport/provider.h"
@@ -62,6 +63,30 @@ struct RunOptions {
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options);
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main);
+
+struct PoolRunOptions {
+  size_t threads = 1;  // reactors (one cm::Worker each) the pool calls from
+  // The user's device (it must outlive RunClientPool); null: it opens the
+  // device `provider` names.
+  transport::Device* device = nullptr;
+  transport::ProviderOptions provider;
+  ReactorOptions reactor;
+  cm::WorkerOptions worker;
+};
+
+// A client program on an rpc::ClientPool: opens the device, starts a
+// cm::WorkerPool of options.threads reactors and an rpc::ClientPool to
+// pool_options.servers on it, runs main(pool) on the first reactor to
+// completion, then shuts the pool down (calls main left in flight fail
+// with UNAVAILABLE) and the reactors. main may spread work over the other
+// reactors (pool calls run on the reactor they are made on). A non-OK
+// status -- main's, or starting's -- is logged: exit code 1.
+int RunClientPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)> main,
+    rpc::ClientPoolOptions pool_options, const PoolRunOptions& options);
+int RunClientPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)> main,
+    rpc::ClientPoolOptions pool_options);
 
 // What Serve built, handed to ServeOptions::setup before it listens.
 struct ServeContext {
