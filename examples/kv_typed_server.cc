@@ -39,17 +39,20 @@ Task<absl::StatusOr<std::string>> Get(std::string key) {
 }
 
 Task<absl::StatusOr<RemoteRegion>> Snapshot(rpc::Context& ctx, int32_t) {
-  // Kept until this client's connection closes; released newest first.
-  std::string& bytes = ctx.KeepUntilClose(std::string());
+  std::string bytes;
   auto encode = [&] {  // heavy: on a pool thread, not on the reactor
     std::lock_guard lock(mu);
     rpc::Codec<KvMap>::Encode(store, bytes);
   };
   // Named, not a temporary in the co_await (gcc 12: README, "Building").
   CO_RETURN_IF_ERROR(co_await OffloadUntilDone(encode));
-  CO_ASSIGN_OR_RETURN(auto mr, ctx.connection().worker().pd().Register(
-                                   AsBytes(bytes), Access::kRemoteRead));
-  co_return ctx.Expose(ctx.KeepUntilClose(std::move(mr)));  // its key only
+  // This connection's key only; the bytes live until Release or its end.
+  co_return ctx.ExposeBytes(std::move(bytes));
+}
+
+Task<absl::StatusOr<bool>> Release(rpc::Context& ctx, RemoteRegion token) {
+  CO_RETURN_IF_ERROR(ctx.Revoke(token));
+  co_return true;
 }
 
 int main(int argc, char** argv) {
@@ -57,7 +60,8 @@ int main(int argc, char** argv) {
   rpc::ServerMetrics metrics;  // outlives the server
   rpc::Server server({.call_observer = metrics.Observer()});
   if (!server.Register(kPut, Put).ok() || !server.Register(kGet, Get).ok() ||
-      !server.Register(kSnapshot, Snapshot).ok()) {
+      !server.Register(kSnapshot, Snapshot).ok() ||
+      !server.Register(kRelease, Release).ok()) {
     return 1;
   }
   ServeOptions options{.threads = absl::GetFlag(FLAGS_threads)};
