@@ -225,6 +225,17 @@ struct UseMsgpack<std::tuple<T...>> : std::true_type {};
 template <typename T>
 struct UseMsgpack<std::optional<T>> : std::true_type {};
 
+// The types an argument of a method with none or several arguments may
+// have (rpc/typed.h, Method<R(A...)>): each travels as one msgpack value
+// of the request's array. bool, integers, floating point, std::string,
+// std::string_view (decoded as a view of the request), RemoteRegion (a
+// 20-byte bin, above), and every UseMsgpack type.
+template <typename T>
+concept MsgpackArg = std::is_same_v<T, bool> || internal::mp::PlainInteger<T> ||
+    std::is_floating_point_v<T> || std::is_same_v<T, std::string> ||
+    std::is_same_v<T, std::string_view> ||
+    std::is_same_v<T, transport::RemoteRegion> || UseMsgpack<T>::value;
+
 template <typename T>
 concept ProtobufMessage = requires(const T& t, T& m, std::string* s,
                                    const void* d, int n) {
@@ -423,6 +434,15 @@ class EncodedArg {
   std::span<const std::byte> view_;
 };
 
+// A typed method's none or several arguments (rpc/typed.h,
+// Method<R(A...)>), decoded: one msgpack array of exactly sizeof...(A)
+// elements (mp::In below; "an argument list of N element(s) came as an
+// array of M" otherwise).
+template <typename... A>
+struct ArgList {
+  std::tuple<A...> values;
+};
+
 // A typed result as a payload to return (owns its bytes).
 template <typename T>
 Payload ToPayload(T&& v) {
@@ -441,6 +461,24 @@ Payload ToPayload(T&& v) {
 }
 
 }  // namespace internal
+
+namespace internal::mp {
+
+template <typename... A>
+struct In<ArgList<A...>> {
+  static bool Read(Decoder& d, ArgList<A...>& out) {
+    if (!ReadArity(d, sizeof...(A), "an argument list") || !d.Enter()) {
+      return false;
+    }
+    const bool ok = std::apply(
+        [&d](A&... e) { return (In<A>::Read(d, e) && ...); }, out.values);
+    if (!ok) return false;
+    d.Leave();
+    return true;
+  }
+};
+
+}  // namespace internal::mp
 }  // namespace coverbs::rpc
 
 #endif  // COVERBS_RPC_CODEC_H_
