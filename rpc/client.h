@@ -142,6 +142,24 @@ class Client {
                                const std::type_identity_t<Args>& args) {
     return Call<R, Args>(method.name, args, CallOptions());
   }
+  // By a Method<R(A...)> (none, one or several arguments): the method's
+  // arguments, then optionally CallOptions; a wrong count or type fails to
+  // compile. None or several are encoded here (msgpack), so they need not
+  // outlive this call; one is sent as the two-type form sends it (in
+  // place, valid until the call completes, when of the method's own type
+  // and its codec allows). rpc/typed.h has the wire form.
+  template <typename R, typename... A, typename... U>
+  Task<absl::StatusOr<R>> Call(const Method<R(A...)>& method, U&&... args) {
+    using C = internal::CallArgs<CallOptions,
+                                 typename Method<R(A...)>::ArgTypes, U...>;
+    if constexpr (C::kValid) {
+      CallOptions options = C::Options(args...);
+      return CallWith<R>(method.name, C::Encode(std::forward<U>(args)...),
+                         std::move(options));
+    } else {
+      return {};  // C's static_assert said why
+    }
+  }
 
   // Fails pending calls with UNAVAILABLE, stops the receive loop and closes
   // the connection gracefully; returns once nothing of the client runs on
@@ -164,6 +182,16 @@ class Client {
   Stats stats() const;
 
  private:
+  template <typename R>
+  Task<absl::StatusOr<R>> CallWith(std::string_view method,
+                                   internal::CallPayload payload,
+                                   CallOptions options) {
+    absl::StatusOr<Response> r =
+        co_await Call(method, payload.bytes(), std::move(options));
+    if (!r.ok()) co_return r.status();
+    co_return internal::FromResponse<R>(method, *std::move(r));
+  }
+
   using State = internal::ClientState;
   explicit Client(std::shared_ptr<State> s) : state_(std::move(s)) {}
   std::shared_ptr<State> state_;

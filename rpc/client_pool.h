@@ -132,6 +132,20 @@ class ClientPool {
                                const std::type_identity_t<Args>& args) {
     return Call<Args, R>(method, args, CallOptions());
   }
+  // By a Method<R(A...)>, as rpc::Client's: the method's arguments, then
+  // optionally CallOptions.
+  template <typename R, typename... A, typename... U>
+  Task<absl::StatusOr<R>> Call(const Method<R(A...)>& method, U&&... args) {
+    using C = internal::CallArgs<CallOptions,
+                                 typename Method<R(A...)>::ArgTypes, U...>;
+    if constexpr (C::kValid) {
+      CallOptions options = C::Options(args...);
+      return CallWith<R>(method.name, C::Encode(std::forward<U>(args)...),
+                         std::move(options));
+    } else {
+      return {};  // C's static_assert said why
+    }
+  }
 
   // A live connection of the calling reactor, held for operations that
   // belong together: a call, then the one-sided operations
@@ -164,6 +178,16 @@ class ClientPool {
   Stats stats() const;
 
  private:
+  template <typename R>
+  Task<absl::StatusOr<R>> CallWith(std::string_view method,
+                                   internal::CallPayload payload,
+                                   CallOptions options) {
+    absl::StatusOr<Response> r =
+        co_await Call(method, payload.bytes(), std::move(options));
+    if (!r.ok()) co_return r.status();
+    co_return internal::FromResponse<R>(method, *std::move(r));
+  }
+
   struct Counters {
     std::atomic<uint64_t> connects{0}, connect_failures{0}, losses{0}, calls{0},
         live{0}, reconnects{0}, fail_fast{0}, leases{0}, drained{0},

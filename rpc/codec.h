@@ -9,7 +9,8 @@
 //    not as a client's result, which must own its bytes).
 //  - std::string: the bytes.
 //  - transport::RemoteRegion (a token from Expose): its 20-byte encoding,
-//    validated on decode.
+//    validated on decode (inside a msgpack value, a struct's member or a
+//    vector's element: a bin of those 20 bytes; see below).
 //  - protobuf messages (anything with SerializeToString / ParseFromArray /
 //    ByteSizeLong): the message's wire format. No protobuf dependency here:
 //    the program that uses messages links libprotobuf. Before parsing, a
@@ -73,6 +74,85 @@
 #include "rpc/codec_protobuf.h"
 #include "rpc/payload.h"
 #include "transport/device.h"
+
+// transport::RemoteRegion as a msgpack value (a member of a MSGPACK_DEFINE
+// struct, an element of a vector or of a method's argument list): a bin of
+// its 20-byte Encode(). Not a codec choice: a RemoteRegion that is the
+// whole argument or result keeps its own Codec below (the 20 bytes, no
+// msgpack header). Decoding goes through RemoteRegion::Decode, so a bin of
+// another length, an empty or a wrapping range is refused like any other
+// bad value; an empty region does not travel (std::optional<RemoteRegion>
+// does: nil when absent). rpc's decoder reads it with In<RemoteRegion>
+// below, without exceptions; msgpack-c's convert (reached through
+// msgpack::unpack, or a type decoded by its own adaptor) throws
+// msgpack::type_error, as its adaptors do, which rpc's decoder catches.
+namespace msgpack {
+MSGPACK_API_VERSION_NAMESPACE(MSGPACK_DEFAULT_API_NS) {
+  namespace adaptor {
+
+  template <>
+  struct convert<coverbs::transport::RemoteRegion> {
+    const msgpack::object& operator()(
+        const msgpack::object& o, coverbs::transport::RemoteRegion& v) const {
+      if (o.type != msgpack::type::BIN) throw msgpack::type_error();
+      auto r = coverbs::transport::RemoteRegion::Decode(
+          std::as_bytes(std::span<const char>(o.via.bin.ptr, o.via.bin.size)));
+      if (!r.ok()) throw msgpack::type_error();
+      v = *r;
+      return o;
+    }
+  };
+
+  template <>
+  struct pack<coverbs::transport::RemoteRegion> {
+    template <typename Stream>
+    msgpack::packer<Stream>& operator()(
+        msgpack::packer<Stream>& o,
+        const coverbs::transport::RemoteRegion& v) const {
+      const auto e = v.Encode();
+      o.pack_bin(static_cast<uint32_t>(e.size()));
+      o.pack_bin_body(reinterpret_cast<const char*>(e.data()),
+                      static_cast<uint32_t>(e.size()));
+      return o;
+    }
+  };
+
+  template <>
+  struct object_with_zone<coverbs::transport::RemoteRegion> {
+    void operator()(msgpack::object::with_zone& o,
+                    const coverbs::transport::RemoteRegion& v) const {
+      const auto e = v.Encode();
+      char* p = static_cast<char*>(
+          o.zone.allocate_align(e.size(), MSGPACK_ZONE_ALIGNOF(char)));
+      std::memcpy(p, e.data(), e.size());
+      o.type = msgpack::type::BIN;
+      o.via.bin.ptr = p;
+      o.via.bin.size = static_cast<uint32_t>(e.size());
+    }
+  };
+
+  }  // namespace adaptor
+}  // MSGPACK_API_VERSION_NAMESPACE(MSGPACK_DEFAULT_API_NS)
+}  // namespace msgpack
+
+namespace coverbs::rpc::internal::mp {
+
+// rpc's decoder: the bin, checked by RemoteRegion::Decode (see above).
+template <>
+struct In<transport::RemoteRegion> {
+  static bool Read(Decoder& d, transport::RemoteRegion& out) {
+    Head h;
+    if (!d.ReadHead(h)) return false;
+    if (h.kind != Kind::kBin) return d.TypeError(h, "a bin (a RemoteRegion)");
+    absl::StatusOr<transport::RemoteRegion> r = transport::RemoteRegion::Decode(
+        std::as_bytes(std::span<const char>(h.data, h.u)));
+    if (!r.ok()) return d.Invalid(r.status().message());
+    out = *r;
+    return true;
+  }
+};
+
+}  // namespace coverbs::rpc::internal::mp
 
 namespace coverbs::rpc {
 
@@ -144,6 +224,17 @@ template <typename... T>
 struct UseMsgpack<std::tuple<T...>> : std::true_type {};
 template <typename T>
 struct UseMsgpack<std::optional<T>> : std::true_type {};
+
+// The types an argument of a method with none or several arguments may
+// have (rpc/typed.h, Method<R(A...)>): each travels as one msgpack value
+// of the request's array. bool, integers, floating point, std::string,
+// std::string_view (decoded as a view of the request), RemoteRegion (a
+// 20-byte bin, above), and every UseMsgpack type.
+template <typename T>
+concept MsgpackArg = std::is_same_v<T, bool> || internal::mp::PlainInteger<T> ||
+    std::is_floating_point_v<T> || std::is_same_v<T, std::string> ||
+    std::is_same_v<T, std::string_view> ||
+    std::is_same_v<T, transport::RemoteRegion> || UseMsgpack<T>::value;
 
 template <typename T>
 concept ProtobufMessage = requires(const T& t, T& m, std::string* s,
@@ -343,6 +434,15 @@ class EncodedArg {
   std::span<const std::byte> view_;
 };
 
+// A typed method's none or several arguments (rpc/typed.h,
+// Method<R(A...)>), decoded: one msgpack array of exactly sizeof...(A)
+// elements (mp::In below; "an argument list of N element(s) came as an
+// array of M" otherwise).
+template <typename... A>
+struct ArgList {
+  std::tuple<A...> values;
+};
+
 // A typed result as a payload to return (owns its bytes).
 template <typename T>
 Payload ToPayload(T&& v) {
@@ -361,6 +461,24 @@ Payload ToPayload(T&& v) {
 }
 
 }  // namespace internal
+
+namespace internal::mp {
+
+template <typename... A>
+struct In<ArgList<A...>> {
+  static bool Read(Decoder& d, ArgList<A...>& out) {
+    if (!ReadArity(d, sizeof...(A), "an argument list") || !d.Enter()) {
+      return false;
+    }
+    const bool ok = std::apply(
+        [&d](A&... e) { return (In<A>::Read(d, e) && ...); }, out.values);
+    if (!ok) return false;
+    d.Leave();
+    return true;
+  }
+};
+
+}  // namespace internal::mp
 }  // namespace coverbs::rpc
 
 #endif  // COVERBS_RPC_CODEC_H_

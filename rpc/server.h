@@ -162,6 +162,19 @@ class Server {
         "the handler's argument and result types must be the method's");
     return Register(method.name, internal::WrapTyped(std::move(fn), decode));
   }
+  // By a Method<R(A...)> (none, one or several arguments): `fn` takes
+  // (rpc::Context&, A...) or (A...); a mismatch fails to compile.
+  template <typename R, typename... A, typename F>
+  absl::Status Register(const Method<R(A...)>& method, F fn) {
+    return Register(method, std::move(fn), options_.decode);
+  }
+  template <typename R, typename... A, typename F>
+  absl::Status Register(const Method<R(A...)>& method, F fn,
+                        const DecodeOptions& decode) {
+    using H =
+        internal::MethodHandler<R, typename rpc::Method<R(A...)>::ArgTypes>;
+    return Register(method.name, H::Wrap(std::move(fn), decode));
+  }
 
   // Listens on workers[0]'s reactor; accepted connections are spread
   // round-robin over `workers` (one per reactor of a ReactorPool, say) and
