@@ -22,7 +22,7 @@ using KvMap = std::map<std::string, std::string>;
 // cm::ConnectionOptions::max_exposures snapshots at once).
 inline constexpr coverbs::rpc::Method<PutArgs, uint64_t> kPut{"Put"};
 inline constexpr coverbs::rpc::Method<std::string, std::string> kGet{"Get"};
-inline constexpr coverbs::rpc::Method<int32_t, coverbs::RemoteRegion> kSnapshot{
+inline constexpr coverbs::rpc::Method<coverbs::RemoteRegion()> kSnapshot{
     "Snapshot"};
 inline constexpr coverbs::rpc::Method<coverbs::RemoteRegion, bool> kRelease{
     "Release"};

@@ -44,7 +44,7 @@ Task<absl::Status> Main(rpc::ClientPool& pool) {
   std::printf("Get(no-such-key): %s\n", missing.status().ToString().c_str());
   // The snapshot's token is good on the connection that carried it only.
   CO_ASSIGN_OR_RETURN(auto lease, co_await pool.Lease());
-  CO_ASSIGN_OR_RETURN(RemoteRegion snap, co_await lease->Call(kSnapshot, 0));
+  CO_ASSIGN_OR_RETURN(RemoteRegion snap, co_await lease->Call(kSnapshot));
   // The length is the server's word: checked before anything is allocated.
   const uint64_t limit = absl::GetFlag(FLAGS_max_snapshot_bytes);
   if (snap.length > limit) {

@@ -38,7 +38,7 @@ Task<absl::StatusOr<std::string>> Get(std::string key) {
   co_return it->second;
 }
 
-Task<absl::StatusOr<RemoteRegion>> Snapshot(rpc::Context& ctx, int32_t) {
+Task<absl::StatusOr<RemoteRegion>> Snapshot(rpc::Context& ctx) {
   std::string bytes;
   auto encode = [&] {  // heavy: on a pool thread, not on the reactor
     std::lock_guard lock(mu);

@@ -2,13 +2,12 @@
 // what it can do on the caller's connection. rpc::Request is a Context with
 // the request's payload.
 //
-//   server.Register(kSnapshot, [](rpc::Context& ctx, int32_t)
+//   server.Register(kSnapshot, [](rpc::Context& ctx)
 //                                   -> Task<absl::StatusOr<RemoteRegion>> {
 //     if (ctx.app_data() != "tenant-a") co_return absl::PermissionDeniedError("..");
-//     std::string& bytes = ctx.KeepUntilClose(std::string(...));
-//     CO_ASSIGN_OR_RETURN(auto mr, ctx.connection().worker().pd().Register(..));
-//     // The region outlives the response; the key is this caller's only.
-//     co_return ctx.Expose(ctx.KeepUntilClose(std::move(mr)));
+//     // The bytes outlive the response until the caller's Release
+//     // (ctx.Revoke) or its connection's end; the key is this caller's only.
+//     co_return ctx.ExposeBytes(std::string(...));
 //   });
 //
 // Contract:

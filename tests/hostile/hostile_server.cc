@@ -151,7 +151,7 @@ Task<absl::StatusOr<std::string>> Get(std::string key) {
   co_return it->second;
 }
 
-Task<absl::StatusOr<RemoteRegion>> LyingSnapshot(int32_t) {
+Task<absl::StatusOr<RemoteRegion>> LyingSnapshot() {
   const std::string mode = absl::GetFlag(FLAGS_mode);
   RemoteRegion r;
   r.addr = 0x10000;

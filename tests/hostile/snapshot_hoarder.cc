@@ -40,7 +40,7 @@ Task<absl::Status> Main(cm::Worker& worker) {
   size_t refused = 0, other = 0;
   std::string first_refusal = "none";
   for (size_t i = 0; i < absl::GetFlag(FLAGS_snapshots); ++i) {
-    auto snap = co_await client->Call(kSnapshot, 0);
+    auto snap = co_await client->Call(kSnapshot);
     if (snap.ok()) {
       held.push_back(*snap);
     } else if (snap.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -62,7 +62,7 @@ Task<absl::Status> Main(cm::Worker& worker) {
       CO_RETURN_IF_ERROR((co_await client->Call(kRelease, r)).status());
     }
     // Released: a new snapshot is granted again.
-    CO_RETURN_IF_ERROR((co_await client->Call(kSnapshot, 0)).status());
+    CO_RETURN_IF_ERROR((co_await client->Call(kSnapshot)).status());
     std::printf("hoarder: released %zu; a new snapshot was granted\n",
                 held.size());
   }
