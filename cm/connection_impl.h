@@ -177,10 +177,14 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   Task<absl::StatusOr<uint64_t>> Atomic(bool cas, RemoteRegion r, uint64_t a,
                                         uint64_t b);
   // The exposure with `rkey` releases `owner` after its window
-  // (Connection::ExposeOwned).
+  // (Connection::ExposeOwned, right after the exposure was made: the
+  // newest, so the search starts there).
   void KeepWithExposure(uint32_t rkey, std::shared_ptr<void> owner) {
-    for (auto& e : exposures_) {
-      if (e->rkey == rkey) e->owner = std::move(owner);
+    for (auto it = exposures_.rbegin(); it != exposures_.rend(); ++it) {
+      if ((*it)->rkey == rkey) {
+        (*it)->owner = std::move(owner);
+        return;
+      }
     }
   }
   // Connection::Expose (ExposeScope::kConnection) and Revoke (one_sided.cc).
@@ -324,7 +328,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
     return LargeMemoryCache::BlockSize(size);
   }
   // Adds `bytes` to (negative: takes them from) rdv_held_ and the Worker's
-  // count (WorkerOptions::rendezvous_budget).
+  // count (WorkerOptions::rendezvous_budget); keeps the peaks.
   void HoldRendezvous(int64_t bytes);
   // Whether `pinned` more bytes fit the Worker's budget; first settles
   // every connection of the Worker when they do not.

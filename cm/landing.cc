@@ -242,11 +242,14 @@ void ConnectionImpl::TopUpGrants() {
   // What a grant would hold once landed; past the connection's or the
   // Worker's rendezvous budget no grant is renewed and medium messages
   // take the rendezvous, whose CTS waits (rendezvous.cc). The next RTS or
-  // landed message looks again.
-  const auto block_size =
-      static_cast<uint32_t>(options_.landing_buffer_size);
-  while (granted_.size() < options_.landing_buffers &&
-         FitsBudget(block_size)) {
+  // landed message looks again. Granting holds nothing yet, so one look
+  // answers for every grant of this pass.
+  if (granted_.size() >= options_.landing_buffers ||
+      !FitsBudget(static_cast<uint32_t>(options_.landing_buffer_size))) {
+    MaybeSendCredits();
+    return;
+  }
+  while (granted_.size() < options_.landing_buffers) {
     // Out of memory or registrations: medium messages take the
     // rendezvous, which refuses per message instead.
     LargeBuffer* lb = NewLandingBuffer();
@@ -383,10 +386,9 @@ bool ConnectionImpl::OnLanded(RecvSlot* slot, const WireHeader& h,
   // Held against the budgets until Recv takes it: past them no grant is
   // renewed (TopUpGrants), so a peer cannot queue landed blocks without
   // end while the application does not call Recv.
-  const uint64_t block = Pinned(static_cast<uint32_t>(options_.landing_buffer_size));
+  const uint64_t block =
+      Pinned(static_cast<uint32_t>(options_.landing_buffer_size));
   HoldRendezvous(static_cast<int64_t>(block));
-  stats_.rendezvous_bytes_held_peak =
-      std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
   Incoming in;
   in.ready = true;
   in.landed_bytes = block;

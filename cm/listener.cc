@@ -331,13 +331,9 @@ Task<void> Pump(std::shared_ptr<ListenerState> st) {
     // other task of this reactor (its connections' calls) waiting.
     co_await Reactor::Current()->Yield();
     bool closing = st->closed;
-    for (auto& e : evicted) {
-      if (closing) break;
-      auto released = Released(std::move(e));
-      if (!co_await std::move(released)) {
-        closing = true;
-        break;
-      }
+    for (size_t i = 0; i < evicted.size() && !closing; ++i) {
+      auto released = Released(std::move(evicted[i]));
+      closing = !co_await std::move(released);
     }
     if (closing) break;
   }

@@ -237,6 +237,8 @@ LargeBuffer* ConnectionImpl::NewRendezvousBuffer(uint32_t length) {
 
 void ConnectionImpl::HoldRendezvous(int64_t bytes) {
   rdv_held_ += bytes;
+  stats_.rendezvous_bytes_held_peak =
+      std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
   if (detached_) return;  // the Worker is going; it counts no more
   WorkerShared& w = SharedOf(ctx_);
   w.rdv_held += bytes;
@@ -308,8 +310,6 @@ bool ConnectionImpl::GrantRendezvous(Incoming& in) {
   in.large = lb;
   in.deferred = false;
   HoldRendezvous(static_cast<int64_t>(Pinned(in.size)));
-  stats_.rendezvous_bytes_held_peak =
-      std::max(stats_.rendezvous_bytes_held_peak, rdv_held_);
   const absl::Duration timeout = options_.rendezvous_done_timeout;
   const bool timed =
       timeout > absl::ZeroDuration() && timeout != absl::InfiniteDuration();
