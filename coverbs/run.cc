@@ -14,6 +14,34 @@
 
 namespace coverbs {
 
+namespace {
+
+// `given`, or the device `provider` names, opened into *owned; logs why
+// when it cannot be opened (null then).
+transport::Device* DeviceOf(transport::Device* given,
+                            const transport::ProviderOptions& provider,
+                            std::unique_ptr<transport::Device>* owned) {
+  if (given != nullptr) return given;
+  auto d = transport::Device::Open(provider);
+  if (!d.ok()) {
+    COVERBS_LOG(kError, "run", "opening the device: %s",
+                d.status().ToString().c_str());
+    return nullptr;
+  }
+  *owned = *std::move(d);
+  return owned->get();
+}
+
+// RunClientPool's main, on the pool's first reactor.
+Task<void> RunOnPool(
+    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)>* main,
+    rpc::ClientPool* pool, std::promise<absl::Status>* done) {
+  absl::Status s = co_await (*main)(*pool);
+  done->set_value(std::move(s));
+}
+
+}  // namespace
+
 int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
             const RunOptions& options) {
   auto reactor = Reactor::Create(options.reactor);
@@ -23,17 +51,9 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main,
     return 1;
   }
   std::unique_ptr<transport::Device> owned;
-  transport::Device* device = options.device;
-  if (device == nullptr) {
-    auto d = transport::Device::Open(options.provider);
-    if (!d.ok()) {
-      COVERBS_LOG(kError, "run", "opening the device: %s",
-                  d.status().ToString().c_str());
-      return 1;
-    }
-    owned = *std::move(d);
-    device = owned.get();
-  }
+  transport::Device* device =
+      DeviceOf(options.device, options.provider, &owned);
+  if (device == nullptr) return 1;
   auto ctx = cm::Worker::Create(**reactor, *device, options.worker);
   if (!ctx.ok()) {
     COVERBS_LOG(kError, "run", "creating the worker: %s",
@@ -56,32 +76,13 @@ int RunMain(absl::AnyInvocable<Task<absl::Status>(cm::Worker&)> main) {
   return RunMain(std::move(main), RunOptions());
 }
 
-namespace {
-
-Task<void> RunOnPool(
-    absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)>* main,
-    rpc::ClientPool* pool, std::promise<absl::Status>* done) {
-  absl::Status s = co_await (*main)(*pool);
-  done->set_value(std::move(s));
-}
-
-}  // namespace
-
 int RunClientPool(
     absl::AnyInvocable<Task<absl::Status>(rpc::ClientPool&)> main,
     rpc::ClientPoolOptions pool_options, const PoolRunOptions& options) {
   std::unique_ptr<transport::Device> owned;
-  transport::Device* device = options.device;
-  if (device == nullptr) {
-    auto d = transport::Device::Open(options.provider);
-    if (!d.ok()) {
-      COVERBS_LOG(kError, "run", "opening the device: %s",
-                  d.status().ToString().c_str());
-      return 1;
-    }
-    owned = *std::move(d);
-    device = owned.get();
-  }
+  transport::Device* device =
+      DeviceOf(options.device, options.provider, &owned);
+  if (device == nullptr) return 1;
   cm::WorkerPool::Options wo;
   wo.threads = std::max<size_t>(1, options.threads);
   wo.reactor = options.reactor;
@@ -131,17 +132,9 @@ int Serve(rpc::Server& server, const std::string& address, uint16_t port,
   std::unique_ptr<transport::Device> owned_device;
   std::unique_ptr<transport::ProtectionDomain> owned_pd;
   do {
-    transport::Device* device = options.device;
-    if (device == nullptr) {
-      auto d = transport::Device::Open(options.provider);
-      if (!d.ok()) {
-        COVERBS_LOG(kError, "run", "opening the device: %s",
-                    d.status().ToString().c_str());
-        break;
-      }
-      owned_device = *std::move(d);
-      device = owned_device.get();
-    }
+    transport::Device* device =
+        DeviceOf(options.device, options.provider, &owned_device);
+    if (device == nullptr) break;
     cm::WorkerPool::Options po;
     po.threads = options.threads;
     po.reactor = options.reactor;
