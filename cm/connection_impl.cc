@@ -248,6 +248,7 @@ absl::Status ConnectionImpl::Start(
   use_imm_ = (h.caps & kCapWriteWithImm) && qp_->caps().write_with_imm;
   credits_.Release(h.credits);
   started_ = true;
+  started_event_.Set();
   if (link_ != nullptr) {
     std::weak_ptr<ConnectionImpl> weak = weak_from_this();
     link_->OnDown([weak](absl::Status why) {
@@ -403,6 +404,7 @@ void ConnectionImpl::Fail(CloseCause cause, absl::Status why) {
   if (link_ != nullptr) link_->Disconnect();
   // Wake every waiter; they see status_.
   may_send_.Set();
+  started_event_.Set();
   peer_spoke_.Set();
   keepalive_wake_.Set();
   credits_.Release(1 << 24);

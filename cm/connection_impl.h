@@ -557,6 +557,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   transport::SendBatch credit_batch_;
   bool credit_batch_busy_ = false;
   Event may_send_{false};  // iWARP passive side: set once the peer spoke
+  // Set by Start (or by a failure): a CTS answering an RTS that overtook
+  // the passive side's ESTABLISHED waits for it (SendCts).
+  Event started_event_{false};
   // Set by the first message from the peer (or by a failure): the passive
   // side's accept waits for it (WaitPeerSpoke).
   Event peer_spoke_{false};

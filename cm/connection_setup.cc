@@ -1,6 +1,7 @@
 #include "cm/connection_setup.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 
 #include "absl/status/status.h"
@@ -11,6 +12,17 @@
 #include "cm/wire.h"
 
 namespace coverbs::cm::internal {
+
+namespace {
+std::atomic<int64_t> passive_start_delay_ns{0};
+}  // namespace
+
+void SetPassiveStartDelayForTest(absl::Duration delay) {
+  passive_start_delay_ns.store(absl::ToInt64Nanoseconds(delay));
+}
+absl::Duration PassiveStartDelayForTest() {
+  return absl::Nanoseconds(passive_start_delay_ns.load());
+}
 
 absl::StatusOr<transport::QpOptions> QpOptionsFor(Worker& ctx,
                                                   const ConnectionOptions& o) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "cm/connection.h"
 #include "cm/worker.h"
 #include "transport/connector.h"
@@ -20,6 +21,12 @@ inline uint32_t SendDepth(const ConnectionOptions& o) {
   if (o.send_depth != 0) return o.send_depth;
   return o.use_srq ? 16 : 64;
 }
+
+// Tests: the passive side waits this long between the connector's accept
+// and Start, as when rdma_cm's ESTABLISHED comes late (a lost RTU on a
+// lossy wire) while the peer, established already, sends. Zero: off.
+void SetPassiveStartDelayForTest(absl::Duration delay);
+absl::Duration PassiveStartDelayForTest();
 
 // The QP options a connection with `options` needs (depths, SRQ). Creates
 // the Worker's SRQ on first use.

@@ -392,6 +392,11 @@ Task<absl::StatusOr<std::unique_ptr<Connection>>> ConnectRequest::Accept(
                         : std::string(est.status().message()));
     co_return est.status();
   }
+  if (absl::Duration d = internal::PassiveStartDelayForTest();
+      d > absl::ZeroDuration()) {
+    absl::Status slept = co_await Reactor::Current()->Sleep(d);
+    if (!slept.ok()) co_return slept;
+  }
   auto conn = (*setup)->Start(st.peer, std::move(est->link));
   if (!conn.ok()) {
     CountReject(st, std::string(conn.status().message()));

@@ -405,7 +405,11 @@ Task<void> ConnectionImpl::SendCts(uint32_t cookie, uint16_t flags,
   do {
     s = co_await cts_turn_.Acquire(1);
     if (!s.ok()) break;
-    s = CheckUp("send");
+    // The peer's RTS can overtake our ESTABLISHED on the passive side (on
+    // a lossy wire rdma_cm's RTU can take seconds to come again): answer
+    // once started, as the owed credits are (Start), instead of failing.
+    if (!started_event_.is_set()) s = co_await started_event_.Wait();
+    if (s.ok()) s = CheckUp("send");
     if (!s.ok()) {
       cts_turn_.Release(1);
       break;
