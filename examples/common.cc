@@ -33,6 +33,16 @@ ABSL_FLAG(bool, landing_windows, true,
           "message); false: a registration per grant, as on other devices.");
 ABSL_FLAG(int64_t, landing_buffer_size, 128 * 1024,
           "Largest message that may land in a granted buffer (bytes).");
+// RC retransmission (cm::ConnectionOptions::qp), for the same examples.
+ABSL_FLAG(int, ack_timeout, 14,
+          "RC ACK timeout of this side's QPs, as verbs encodes it: 4.096 us x "
+          "2^N per retransmission (14: 67 ms; 17: 537 ms, what rdma_cm "
+          "would pick on RoCE). After --retry_count + 1 timeouts without "
+          "progress the connection fails (the peer was unreachable). "
+          "iWARP (siw) retransmits by TCP and ignores it.");
+ABSL_FLAG(int, retry_count, 7,
+          "RC retransmissions of one packet before the connection fails "
+          "(0-7).");
 
 namespace coverbs::examples {
 
@@ -216,12 +226,16 @@ int64_t FirstMismatch(std::span<const std::byte> in, uint64_t tag) {
   return -1;
 }
 
-void ApplyLandingFlags(cm::ConnectionOptions& o) {
+void ApplyConnectionFlags(cm::ConnectionOptions& o) {
   o.landing_buffers =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_landing_buffers)));
   o.landing_windows = absl::GetFlag(FLAGS_landing_windows);
   o.landing_buffer_size = static_cast<size_t>(
       std::max<int64_t>(0, absl::GetFlag(FLAGS_landing_buffer_size)));
+  o.qp.timeout =
+      static_cast<uint8_t>(std::clamp(absl::GetFlag(FLAGS_ack_timeout), 1, 31));
+  o.qp.retry_cnt =
+      static_cast<uint8_t>(std::clamp(absl::GetFlag(FLAGS_retry_count), 0, 7));
 }
 
 }  // namespace coverbs::examples

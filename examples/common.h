@@ -27,9 +27,10 @@ namespace coverbs::examples {
 // --help and friends. Returns only when every argument was a valid flag.
 void ParseFlagsOrExit(int argc, char** argv);
 
-// --landing_buffers / --landing_buffer_size (defined here, shared by the
-// examples that connect or accept) applied to `o`.
-void ApplyLandingFlags(cm::ConnectionOptions& o);
+// --landing_buffers / --landing_buffer_size and the RC retransmission
+// flags --ack_timeout / --retry_count (defined here, shared by the examples
+// that connect or accept) applied to `o`.
+void ApplyConnectionFlags(cm::ConnectionOptions& o);
 
 // The --address/--server value, refused when empty: listening on every
 // interface must be asked for explicitly with 0.0.0.0. The message is a

@@ -131,7 +131,7 @@ Task<absl::Status> Main(cm::Worker* ctx, std::vector<Run>* runs,
   std::vector<std::unique_ptr<rpc::Client>> clients;
   for (int c = 0; c < absl::GetFlag(FLAGS_connections); ++c) {
     rpc::ClientOptions co;
-    ApplyLandingFlags(co.connect.connection);
+    ApplyConnectionFlags(co.connect.connection);
     auto client = co_await rpc::Client::Connect(*ctx, server, port, co);
     if (!client.ok()) {
       // Connections must be gone before the Worker: close the others.

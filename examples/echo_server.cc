@@ -217,7 +217,7 @@ int Run() {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_srq_initial_credits));
   options.listener.connection.send_depth = static_cast<uint32_t>(absl::GetFlag(FLAGS_send_depth));
   options.listener.connection.keepalive_interval = absl::GetFlag(FLAGS_keepalive);
-  ApplyLandingFlags(options.listener.connection);
+  ApplyConnectionFlags(options.listener.connection);
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
   if (metrics_port < -1 || metrics_port > 65535) {
     std::fprintf(stderr, "echo_server: --metrics_port must be -1 (off) or in [0, 65535]\n");

@@ -119,7 +119,7 @@ Task<absl::Status> Session(rpc::Client& c, cm::Worker* ctx, const std::vector<si
 
 Task<absl::Status> Main(cm::Worker* ctx, const std::vector<size_t>& sizes, Stats* st) {
   rpc::ClientOptions co;
-  ApplyLandingFlags(co.connect.connection);
+  ApplyConnectionFlags(co.connect.connection);
   auto client = co_await rpc::Client::Connect(*ctx, absl::GetFlag(FLAGS_server),
                                               absl::GetFlag(FLAGS_port), co);
   if (!client.ok()) {

@@ -157,7 +157,7 @@ int Run() {
     return 1;
   }
   rpc::ServerOptions options;
-  ApplyLandingFlags(options.listener.connection);
+  ApplyConnectionFlags(options.listener.connection);
   // Values up to max_value_size plus the key.
   auto server = std::make_unique<rpc::Server>(options);
   absl::Status s = server->Register(

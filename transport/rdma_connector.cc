@@ -86,7 +86,11 @@ Task<absl::StatusOr<CmEvent>> Expect(CmId& id, rdma_cm_event_type want,
   co_return std::move(*ev);
 }
 
-rdma_conn_param ConnParam(const Device& device, const std::string& pd) {
+// retry_count is this side's QpOptions::retry_cnt (rdma_cm caps it at 7);
+// rnr_retry_count is what the peer's sends get, always 7 (forever): a
+// receiver that is not ready holds its peer back, never fails it.
+rdma_conn_param ConnParam(const Device& device, const std::string& pd,
+                          uint8_t retry_cnt) {
   rdma_conn_param p{};
   p.private_data = pd.data();
   p.private_data_len = static_cast<uint8_t>(pd.size());
@@ -94,7 +98,7 @@ rdma_conn_param ConnParam(const Device& device, const std::string& pd) {
   p.responder_resources =
       static_cast<uint8_t>(std::min<uint32_t>(rd ? rd : 1, 16));
   p.initiator_depth = p.responder_resources;
-  p.retry_count = 7;
+  p.retry_count = std::min<uint8_t>(retry_cnt, 7);
   p.rnr_retry_count = 7;
   return p;
 }
@@ -117,6 +121,18 @@ absl::StatusOr<AttemptQp> SetUpQp(const std::shared_ptr<CmId>& id,
   }
   AttemptQp a;
   a.init = connector_util::InitFor(setup);
+  // Without this rdma_cm picks the ACK timeout itself (RoCE, Linux 6.1: the
+  // packet lifetime 16 + 1 = 17, 537 ms per retransmission); with it the
+  // QP gets QpOptions::timeout, as on every other path. iWARP retransmits
+  // by TCP and has no such timer.
+  if (pd.device()->caps().transport != TransportKind::kIWarp) {
+    uint8_t timeout = a.init.timeout;
+    if (rdma_set_option(id->id(), RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT,
+                        &timeout, sizeof timeout) != 0) {
+      return absl::InternalError(absl::StrCat(
+          "rdma_set_option(ACK_TIMEOUT=", timeout, "): ", strerror(errno)));
+    }
+  }
   auto pqp = CreateQpOnCmId(id->id(), pd.provider(), a.init, id);
   if (!pqp.ok()) return pqp.status();
   auto qp =
@@ -439,7 +455,8 @@ Task<absl::StatusOr<Established>> RdmaRequest::Accept(Connector& on,
     Reject(std::string(a.status().message())).IgnoreError();
     co_return Annotate(a.status(), where);
   }
-  rdma_conn_param param = ConnParam(target->device(), a->private_data);
+  rdma_conn_param param =
+      ConnParam(target->device(), a->private_data, a->init.retry_cnt);
   if (rdma_accept(id_->id(), &param) != 0) {
     co_return absl::UnavailableError(
         absl::StrCat(where, ": rdma_accept failed: ", strerror(errno)));
@@ -501,7 +518,8 @@ Task<absl::StatusOr<Established>> RdmaConnector::ConnectTo(
     id = *std::move(resolved);
     a = SetUpQp(id, setup);
     if (!a.ok()) co_return Annotate(a.status(), where);
-    rdma_conn_param param = ConnParam(device_, a->private_data);
+    rdma_conn_param param =
+        ConnParam(device_, a->private_data, a->init.retry_cnt);
     ConnectCall call;
     if (device_.caps().transport == TransportKind::kIWarp) {
       auto c = co_await ConnectOffReactor(id->id(), param, deadline,
