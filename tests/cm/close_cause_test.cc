@@ -4,6 +4,7 @@
 // connection ids are unique in the process. (Peer processes killed or
 // frozen: peer_process_test.cc.)
 #include <mutex>
+#include <tuple>
 #include <span>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/cm/cm_fixture.h"
 #include "tests/cm/test_util.h"
+#include "transport/verbs/verbs_provider.h"
 
 namespace coverbs::cm {
 namespace {
@@ -220,6 +222,42 @@ TEST_P(TargetOfBadKeyTest, BadKeyWriteIsAProtectionErrorOnTheTargetToo) {
 }
 
 // A peer that breaks the framing: "protocol violation by the peer", logged.
+// What bounds a silent peer's detection (issue 38): the ACK timeout and
+// retry count of ConnectionOptions::qp reach both QPs of an rdma_cm
+// connection (the retry count the connecting side's, which rdma_cm's
+// request carries for both). They used to stop at rdma_cm, which picked
+// its own ACK timeout (RoCE, Linux 6.1: 17). iWARP has neither (TCP
+// retransmits); the soft provider's timer reads QpInit directly
+// (transport/soft/qp_timers.cc).
+TEST_P(CloseCauseTest, RetransmissionSettingsReachBothQps) {
+  if (GetParam() != "verbs" || iwarp()) {
+    GTEST_SKIP() << "only RoCE/InfiniBand QPs have an ACK timeout to query";
+  }
+  Run([](CloseCauseTest* t) -> Task<void> {
+    ConnectOptions co;
+    co.connection.qp.timeout = 15;
+    co.connection.qp.retry_cnt = 5;
+    ListenerOptions lo;
+    lo.connection.qp.timeout = 16;
+    lo.connection.qp.retry_cnt = 3;
+    auto p = co_await t->MakePair(co, lo);
+    CO_ASSERT_OK(p);
+    for (auto [name, conn, timeout] :
+         {std::tuple("client", p->client.get(), 15),
+          std::tuple("server", p->server.get(), 16)}) {
+      ibv_qp* raw = transport::VerbsQpHandle(conn->qp().provider());
+      CO_ASSERT_TRUE(raw != nullptr);
+      ibv_qp_attr attr{};
+      ibv_qp_init_attr init{};
+      CO_ASSERT_TRUE(ibv_query_qp(raw, &attr, IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT,
+                                  &init) == 0);
+      EXPECT_EQ(attr.timeout, timeout) << name;
+      EXPECT_EQ(attr.retry_cnt, 5) << name;
+    }
+    co_await Close(*p);
+  }(this));
+}
+
 TEST_P(CloseCauseTest, ProtocolViolationIsNamedAndLogged) {
   Run([](CloseCauseTest* t) -> Task<void> {
     auto p = co_await t->MakePair();
