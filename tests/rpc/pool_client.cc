@@ -10,8 +10,10 @@
 //        connect_failures=N fail_fast=N drain_retries=N
 // and each failed call as
 //   fail start_ms=<epoch ms of its start> code=<status code> <message>
-// At the end "done ok=N fail=N bad=N" (bad: an echo with other bytes);
+// At the end (after --run_for, or SIGTERM / SIGINT) "done ok=N fail=N
+// bad=N" (bad: an echo with other bytes);
 // exits 1 if bad > 0 or nothing succeeded.
+#include <signal.h>
 #include <sys/resource.h>
 
 #include <atomic>
@@ -49,11 +51,24 @@ ABSL_FLAG(absl::Duration, pause_after_failure, absl::Milliseconds(20),
 ABSL_FLAG(absl::Duration, reconnect_max, absl::Milliseconds(500),
           "ClientPoolOptions::reconnect_max");
 ABSL_FLAG(bool, wait_for_ready, false, "ClientPoolOptions::wait_for_ready");
+ABSL_FLAG(std::string, provider, "soft",
+          "soft, verbs or auto (tests/vm/wire: the guests' rxe or siw)");
+ABSL_FLAG(int, retry_count, -1,
+          "ConnectionOptions::qp.retry_cnt of the pool's connections (-1: "
+          "the default)");
+ABSL_FLAG(absl::Duration, keepalive, absl::ZeroDuration(),
+          "ConnectionOptions::keepalive_interval of the pool's connections "
+          "(0: off)");
 
 namespace coverbs {
 namespace {
 
 std::atomic<uint64_t> ok_calls{0}, failed_calls{0}, bad_calls{0};
+// SIGTERM / SIGINT end the run early, as --run_for would (a script that
+// is done measuring; "done" is still printed).
+std::atomic<bool> stop{false};
+void OnStop(int) { stop.store(true); }
+bool Running(absl::Time end) { return absl::Now() < end && !stop.load(); }
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
@@ -68,7 +83,7 @@ Task<void> Caller(rpc::ClientPool* pool, absl::Time end, WaitGroup* wg) {
   const std::string msg(absl::GetFlag(FLAGS_payload), 'p');
   const absl::Duration deadline = absl::GetFlag(FLAGS_deadline);
   const absl::Duration pause = absl::GetFlag(FLAGS_pause_after_failure);
-  while (absl::Now() < end) {
+  while (Running(end)) {
     rpc::CallOptions o;
     o.deadline = absl::Now() + deadline;
     const int64_t start = NowMs();
@@ -102,8 +117,18 @@ int Main() {
   po.reconnect_min = absl::Milliseconds(20);
   po.reconnect_max = absl::GetFlag(FLAGS_reconnect_max);
   po.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  po.client.connect.connection.keepalive_interval =
+      absl::GetFlag(FLAGS_keepalive);
+  if (int r = absl::GetFlag(FLAGS_retry_count); r >= 0) {
+    po.client.connect.connection.qp.retry_cnt = static_cast<uint8_t>(r);
+  }
   transport::ProviderOptions prov;
-  prov.kind = transport::ProviderKind::kSoft;
+  auto kind = transport::ParseProviderKind(absl::GetFlag(FLAGS_provider));
+  if (!kind.ok()) {
+    std::fprintf(stderr, "pool_client: %s\n", kind.status().ToString().c_str());
+    return 2;
+  }
+  prov.kind = *kind;
   auto device = transport::Device::Open(prov);
   if (!device.ok()) {
     std::fprintf(stderr, "pool_client: %s\n",
@@ -124,6 +149,8 @@ int Main() {
     return 2;
   }
   const absl::Time end = absl::Now() + absl::GetFlag(FLAGS_run_for);
+  signal(SIGTERM, OnStop);
+  signal(SIGINT, OnStop);
   const int callers = absl::GetFlag(FLAGS_callers);
   WaitGroup wg;
   for (int i = 0; i < callers; ++i) {
@@ -132,7 +159,7 @@ int Main() {
                                  Caller(pool->get(), end, &wg));
   }
   const absl::Duration tick = absl::GetFlag(FLAGS_tick);
-  while (absl::Now() < end) {
+  while (Running(end)) {
     absl::SleepFor(tick);
     const rpc::ClientPool::Stats s = (*pool)->stats();
     std::printf(
