@@ -8,7 +8,16 @@
 #
 # Env knobs:
 #   VM_RDMA=none|rxe|siw     set up a soft-RDMA device first (default none)
-#   VM_NETDEV=dummy|veth|lo  netdev for VM_RDMA (default dummy); see vm-rdma-setup.sh
+#   VM_NETDEV=dummy|veth|lo|wire  netdev for VM_RDMA (default dummy); see vm-rdma-setup.sh
+#   VM_WIRE=listen:PORT|connect:PORT  put the guest on a virtual wire: a
+#                            virtio NIC on qemu's socket netdev at 127.0.0.1:PORT
+#                            (run-in-vms.sh starts the listening side first)
+#   VM_WIRE_SIDE=a|b         which end of the wire (sets the NIC's MAC and, with
+#                            VM_NETDEV=wire, its addresses)
+#   VM_PIDFILE=file          write qemu's pid there once it runs
+#   VM_KILL_FLAG=file        if this file exists when qemu ended without an exit
+#                            status, the guest was killed on purpose (run-in-vms.sh):
+#                            say so and exit 137
 #   VM_TIMEOUT=1800          seconds before qemu is killed (exit 124)
 #   VM_BOOT_TIMEOUT=120      seconds for the guest to reach stage 2; a boot that
 #                            does not is killed and retried once (0: off)
@@ -115,8 +124,23 @@ fi
 preflight
 
 case ${VM_RDMA:=none} in none|rxe|siw) ;; *) echo "run-in-vm: VM_RDMA must be none|rxe|siw" >&2; exit 2 ;; esac
-case ${VM_NETDEV:=dummy} in dummy|veth|lo) ;; *) echo "run-in-vm: VM_NETDEV must be dummy|veth|lo" >&2; exit 2 ;; esac
+case ${VM_NETDEV:=dummy} in dummy|veth|lo|wire) ;; *) echo "run-in-vm: VM_NETDEV must be dummy|veth|lo|wire" >&2; exit 2 ;; esac
 export VM_RDMA VM_NETDEV
+# The wire: qemu's socket netdev carries the Ethernet frames of one virtio
+# NIC in each guest over a TCP connection on the host's loopback.
+WIRE=()
+if [ -n "${VM_WIRE:-}" ]; then
+    case ${VM_WIRE%%:*}:${VM_WIRE_SIDE:-} in
+        listen:[ab] | connect:[ab]) ;;
+        *) echo "run-in-vm: VM_WIRE must be listen:PORT or connect:PORT, with VM_WIRE_SIDE=a|b" >&2; exit 2 ;;
+    esac
+    mac=52:54:00:20:00:01; [ "$VM_WIRE_SIDE" = b ] && mac=52:54:00:20:00:02
+    # shellcheck disable=SC2054  # commas belong to qemu option values
+    WIRE=(-netdev "socket,id=wire,${VM_WIRE%%:*}=127.0.0.1:${VM_WIRE#*:}"
+          -device "virtio-net-pci,netdev=wire,mac=$mac")
+elif [ "$VM_NETDEV" = wire ] && [ "$VM_RDMA" != none ]; then
+    echo "run-in-vm: VM_NETDEV=wire needs VM_WIRE (run-in-vms.sh sets it)" >&2; exit 2
+fi
 
 SMP=${VM_SMP:-2} MEM=${VM_MEM:-4G} TIMEOUT=${VM_TIMEOUT:-1800}
 select_accel
@@ -134,7 +158,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM HUP
 
-cp "$HERE/guest-stage2.sh" "$HERE/vm-rdma-setup.sh" "$RUN/"
+cp "$HERE/guest-stage2.sh" "$HERE/vm-rdma-setup.sh" "$HERE/wire.sh" "$RUN/"
 { printf '%q ' "$@"; echo; } > "$RUN/cmd"
 echo "$PWD" > "$RUN/cwd"
 
@@ -225,8 +249,9 @@ boot() {  # $1: seconds left
         -kernel "$COVERBS_VM_KERNEL" -initrd "$COVERBS_VM_INITRD" -append "$APPEND" \
         -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
         -virtfs "local,path=$RUN,mount_tag=run,security_model=none,multidevs=remap" \
-        "${QEMU_SHARES[@]}" < /dev/null &
+        "${QEMU_SHARES[@]}" "${WIRE[@]}" < /dev/null &
     QEMU_PID=$!
+    [ -z "${VM_PIDFILE:-}" ] || echo "$QEMU_PID" > "$VM_PIDFILE"
 }
 elapsed() { awk "BEGIN { printf \"%d\", $(date +%s.%N) - $t0 }"; }
 for attempt in 1 2; do
@@ -258,6 +283,9 @@ wait "$CAT_PID" 2>/dev/null
 up() { cut -d' ' -f1 "$RUN/uptime.$1" 2>/dev/null || echo '?'; }
 if [ -f "$RUN/rc" ]; then
     rc=$(cat "$RUN/rc")
+elif [ -n "${VM_KILL_FLAG:-}" ] && [ -e "$VM_KILL_FLAG" ]; then
+    echo "run-in-vm: the guest was killed on request (VM_KILL_FLAG)" >&2
+    rc=137
 elif [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
     echo "run-in-vm: timed out after ${TIMEOUT}s (VM_TIMEOUT); kernel console tail:" >&2
     tail -n 20 "$RUN/console.log" >&2 2>/dev/null

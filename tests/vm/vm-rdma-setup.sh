@@ -1,5 +1,5 @@
 #!/bin/bash
-# tests/vm/vm-rdma-setup.sh <rxe|siw> <dummy|veth|lo> [ENVFILE]  -- runs INSIDE the guest
+# tests/vm/vm-rdma-setup.sh <rxe|siw> <dummy|veth|lo|wire> [ENVFILE]  -- runs INSIDE the guest
 #
 # Loads the kernel RDMA core and one software provider, gives it a netdev with
 # an IPv4 and an IPv6 address, names them in the guest's /etc/hosts, and writes `export COVERBS_VM_*=...` lines to ENVFILE (stdout
@@ -16,6 +16,15 @@
 #          (connections time out) and siw's listen fails with EADDRINUSE.
 #   lo     127.0.0.1 and ::1 only. rdma_cm does not work there (siw: zero GID; rxe:
 #          rdma_resolve_route ENODEV); only non-CM verbs on rxe. Kept for probing.
+#   wire   the guest's virtio NIC on the wire run-in-vms.sh lays between two
+#          guests: side a (VM_WIRE_SIDE=a, the server's) is 10.20.0.1 and
+#          fd00:20::1, side b 10.20.0.2 and fd00:20::2; one RDMA device per
+#          guest, on the NIC. COVERBS_VM_ADDR_A is side a's address in both
+#          guests (where a client connects to); COVERBS_VM_ADDR_LOCAL this
+#          guest's own. The peer's MAC is a static neighbour (run-in-vm.sh
+#          sets both MACs): a partition then cannot leave ARP in a failed
+#          state that outlives the heal. VM_WIRE_MTU sets this side's MTU
+#          (default 1500).
 #
 # The IPv6 addresses are ULAs added with `nodad` (usable at once, no 1 s of
 # duplicate address detection). The name coverbs-vm-a resolves to both of
@@ -40,12 +49,22 @@ case $ND in
            ADDR6_A=fd00:12::1 ADDR6_B=fd00:12::2 ;;
     lo)    NETIF_A=lo NETIF_B=lo ADDR_A=127.0.0.1 ADDR_B=127.0.0.1
            ADDR6_A=::1 ADDR6_B=::1 ;;
-    *) echo "vm-rdma-setup: unknown netdev kind '$ND' (dummy|veth|lo)" >&2; exit 2 ;;
+    wire)  ADDR_A=10.20.0.1 ADDR_B=10.20.0.2 ADDR6_A=fd00:20::1 ADDR6_B=fd00:20::2
+           SIDE=${VM_WIRE_SIDE:-a}
+           case $SIDE in
+               a) LOCAL=$ADDR_A LOCAL6=$ADDR6_A PEER=$ADDR_B PEER6=$ADDR6_B PEER_MAC=52:54:00:20:00:02 ;;
+               b) LOCAL=$ADDR_B LOCAL6=$ADDR6_B PEER=$ADDR_A PEER6=$ADDR6_A PEER_MAC=52:54:00:20:00:01 ;;
+               *) echo "vm-rdma-setup: VM_WIRE_SIDE must be a or b, not '$SIDE'" >&2; exit 2 ;;
+           esac ;;
+    *) echo "vm-rdma-setup: unknown netdev kind '$ND' (dummy|veth|lo|wire)" >&2; exit 2 ;;
 esac
 
 # rdma_ucm pulls in rdma_cm, iw_cm and ib_cm.
 MODS=(ib_uverbs rdma_ucm)
 [ "$ND" = veth ] && MODS+=(veth)
+# netem and the ingress filter let a test make the wire lossy or cut it
+# (wire.sh); loaded here, in the same modprobe, as each process is dear.
+[ "$ND" = wire ] && MODS+=(virtio_net sch_netem sch_ingress cls_matchall act_gact)
 case $TYPE in
     rxe) modprobe -a "${MODS[@]}" rdma_rxe ;;
     siw) # Debian builds no siw; setup.sh compiled this one out of tree, and
@@ -113,6 +132,28 @@ EOF
             sysctl_w net.ipv4.conf.$k.rp_filter 0
         done ;;
     lo) ip link set lo up ;;
+    wire)
+        # No udev in the guest: the virtio NIC keeps the kernel's name.
+        NIC=
+        for ((try = 0; try < 100; try++)); do
+            for d in /sys/class/net/*; do
+                d=${d##*/}
+                [ "$d" = lo ] || { NIC=$d; break; }
+            done
+            [ -n "$NIC" ] && break
+            sleep 0.05
+        done
+        [ -n "$NIC" ] || { echo "vm-rdma-setup: no NIC appeared (is the guest on a wire? VM_WIRE)" >&2; exit 1; }
+        NETIF_A=$NIC NETIF_B=$NIC
+        ip -batch - <<EOF
+link set $NIC mtu ${VM_WIRE_MTU:-1500}
+addr add $LOCAL/24 dev $NIC
+addr add $LOCAL6/64 dev $NIC nodad
+link set $NIC up
+neigh replace $PEER lladdr $PEER_MAC dev $NIC nud permanent
+neigh replace $PEER6 lladdr $PEER_MAC dev $NIC nud permanent
+EOF
+        ;;
 esac
 
 DEV_A=${TYPE}0
@@ -138,12 +179,16 @@ ipv4_gid_index() {  # dev addr
     return 1
 }
 need_gid() { [ "$TYPE" = rxe ] && [ "$ND" != lo ]; }
-# Port state and the GID table follow the netdev asynchronously.
+# Port state and the GID table follow the netdev asynchronously. On the wire
+# the device has only this side's address; the peer's GID sits at the same
+# index in its own table (the same setup ran there).
 GID_A=0 GID_B=0
+GADDR_A=$ADDR_A GADDR_B=$ADDR_B
+[ "$ND" = wire ] && GADDR_A=$LOCAL GADDR_B=$LOCAL
 for ((try = 0; try < 100; try++)); do
     if port_active "$DEV_A" && port_active "$DEV_B"; then
         need_gid || break
-        GID_A=$(ipv4_gid_index "$DEV_A" "$ADDR_A") && GID_B=$(ipv4_gid_index "$DEV_B" "$ADDR_B") && break
+        GID_A=$(ipv4_gid_index "$DEV_A" "$GADDR_A") && GID_B=$(ipv4_gid_index "$DEV_B" "$GADDR_B") && break
     fi
     sleep 0.05
 done
@@ -154,12 +199,17 @@ if need_gid && { [ -z "$GID_A" ] || [ -z "$GID_B" ]; }; then
 fi
 
 # A host name for side A in both families (the guest's / is the host's,
-# read-only: a copy of /etc/hosts with the name goes over it).
+# read-only: a copy of /etc/hosts with the name goes over it); on the wire
+# side B's too.
 HOSTS=/run/coverbs-vm/hosts
 [ -d /run/coverbs-vm ] || mkdir -p /run/coverbs-vm
 { [ -r /etc/hosts ] && echo "$(< /etc/hosts)"
   echo "$ADDR_A coverbs-vm-a"
-  echo "$ADDR6_A coverbs-vm-a"; } > "$HOSTS"
+  echo "$ADDR6_A coverbs-vm-a"
+  if [ "$ND" = wire ]; then
+      echo "$ADDR_B coverbs-vm-b"
+      echo "$ADDR6_B coverbs-vm-b"
+  fi; } > "$HOSTS"
 mount --bind "$HOSTS" /etc/hosts
 
 rdma link show
@@ -180,3 +230,12 @@ export COVERBS_VM_NAME_A=coverbs-vm-a
 export COVERBS_VM_GID_INDEX_A=$GID_A
 export COVERBS_VM_GID_INDEX_B=$GID_B
 EOF
+[ "$ND" = wire ] && cat >> "$ENVFILE" <<EOF
+export COVERBS_VM_NAME_B=coverbs-vm-b
+export COVERBS_VM_WIRE_SIDE=$SIDE
+export COVERBS_VM_ADDR_LOCAL=$LOCAL
+export COVERBS_VM_ADDR6_LOCAL=$LOCAL6
+export COVERBS_VM_NETIF=$NIC
+export COVERBS_VM_WIRE_TOOL=$(cd "$(dirname "$0")" && pwd)/wire.sh
+EOF
+exit 0

@@ -1,5 +1,5 @@
 #!/bin/bash
-# tests/vm/vm_test.sh <rxe|siw> <dummy|veth> <binary> [args...]
+# tests/vm/vm_test.sh <rxe|siw> <dummy|veth|wire> <binary> [args...]
 #
 # Runs a test binary inside the VM with a kernel soft-RDMA device, for use as a
 # Bazel sh_test, e.g.
@@ -8,6 +8,9 @@
 #           data = [":foo_test", "//tests/vm:harness"], tags = ["vm", "exclusive"])
 # With tests/vm/suites.sh as the binary, one boot runs several suites
 # (`suites.sh --suite <name> <binary> [args...] ...`; README.md).
+# With netdev "wire" two guests boot on one virtual wire (run-in-vms.sh) and
+# the binary runs in both, as server in one and client in the other
+# (COVERBS_VM_ROLE); tests/vm/wire/ holds the scripts written for that.
 # The binary sees COVERBS_PROVIDER=verbs plus the COVERBS_VM_* variables of
 # vm-rdma-setup.sh (device, addresses), and GTEST_*/TEST_* from Bazel.
 # $TEST_TMPDIR, $TEST_UNDECLARED_OUTPUTS_DIR and the test log dir (test.xml,
@@ -28,10 +31,10 @@
 set -uo pipefail
 HERE=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
 
-usage() { echo "usage: vm_test.sh <rxe|siw> <dummy|veth|lo> <binary> [args...]" >&2; exit 2; }
+usage() { echo "usage: vm_test.sh <rxe|siw> <dummy|veth|lo|wire> <binary> [args...]" >&2; exit 2; }
 [ $# -ge 3 ] || usage
 case $1 in rxe|siw) ;; *) usage ;; esac
-case $2 in dummy|veth|lo) ;; *) usage ;; esac
+case $2 in dummy|veth|lo|wire) ;; *) usage ;; esac
 export VM_RDMA=$1 VM_NETDEV=$2
 shift 2
 [ -f "$1" ] || command -v "$1" >/dev/null || { echo "vm_test.sh: test binary '$1' not found (cwd $PWD)" >&2; exit 2; }
@@ -110,4 +113,5 @@ if [ -z "${VM_TIMEOUT:-}" ] && [ -n "${TEST_TIMEOUT:-}" ] && [ "$TEST_TIMEOUT" -
     export VM_TIMEOUT=$((TEST_TIMEOUT - 10))
 fi
 
+[ "$VM_NETDEV" = wire ] && exec "$HERE/run-in-vms.sh" "$@"
 exec "$HERE/run-in-vm.sh" "$@"
