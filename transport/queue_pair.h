@@ -84,6 +84,12 @@ struct QpOptions {
   uint32_t max_inline_data = 128;
   uint8_t rnr_retry = 7;  // 7 = retry forever
   uint8_t min_rnr_timer = 12;
+  // RC retransmission: a request unacknowledged for `timeout` (4.096 us x
+  // 2^timeout; 14 = 67 ms) is sent again, at most retry_cnt times, then the
+  // QP fails with IBV_WC_RETRY_EXC_ERR. rdma_cm connections get both (the
+  // connecting side's retry_cnt serves both QPs). rxe treats retry_cnt 7 as
+  // "forever" (cm/README.md, "A silent peer"); iWARP retransmits by TCP
+  // and has neither.
   uint8_t retry_cnt = 7;
   uint8_t timeout = 14;
   ProviderSrq* srq = nullptr;  // receive through a shared receive queue
