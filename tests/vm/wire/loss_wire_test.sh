@@ -75,8 +75,17 @@ for i in "${!conditions[@]}"; do
   for spec in "64 $small" "$large $large_calls"; do
     read -r size calls <<<"$spec"
     t0=$(now_ms)
-    "$client_bin" --server="$SERVER" --port="$port" --size="$size" --calls="$calls" \
-      --concurrency=4 --deadline=60s "${qp_flags[@]}" >"$TMP/out" 2>&1 || fail "$cond, $size B: echo_client exited $?"
+    # A connect can fail here without a call failing: rdma_cm resends a lost
+    # connection message after its CM response timeout (4.3 s), and
+    # echo_client gives its connect 5 s. Counted and tried again; a call
+    # that fails is not.
+    for ((attempt = 0; ; attempt++)); do
+      "$client_bin" --server="$SERVER" --port="$port" --size="$size" --calls="$calls" \
+        --concurrency=4 --deadline=60s "${qp_flags[@]}" >"$TMP/out" 2>&1 && break
+      rc=$?
+      grep -q "^echo_client: UNAVAILABLE: connecting to" "$TMP/out" && ((attempt < 3)) || fail "$cond, $size B: echo_client exited $rc"
+      echo "wire-loss: $cond, $size B: $(grep -o 'connecting to.*' "$TMP/out" | cut -c1-120); connecting again"
+    done
     # size calls errors elapsed calls/s MB/s p50 p99 p999
     row=$(grep -E "^ +$size +$calls +" "$TMP/out") || fail "$cond, $size B: no row"
     read -r _ _ errors _ rate _ p50 p99 _ <<<"$row"
