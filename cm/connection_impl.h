@@ -444,6 +444,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   void FailInternalSend(const absl::Status& s, const char* what);
   void FillHeader(WireHeader& h, MsgType type, uint32_t length, uint32_t cookie,
                   uint16_t flags);
+  void FillHeaderBody(WireHeader& h, MsgType type, uint32_t length,
+                      uint32_t cookie, uint16_t flags);
   // Takes the connection down: status_ becomes `why` with the cause's
   // words first (CloseCauseName), the close is logged with it. The one-
   // argument form finds the cause in the verbs status `why` carries.
