@@ -234,6 +234,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
+  // OnRecv and ReturnSlot's bodies: always inlined into RecvSlot::OnRecv
+  // and RecvSlot::Release (once per message received; a call layer each).
+  void OnRecvBody(RecvSlot* slot, const ibv_wc& wc);
+  void ReturnSlotBody(RecvSlot* slot);
   // Ring mode: posts the slots gathered by ReturnSlot and owes the peer
   // their credits; on failure the connection is failed (false).
   bool FlushRefill();
@@ -472,6 +476,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // A credit-spending message arrived (`low`: the peer set kFlagCreditLow on
   // it); false (the connection failed) if the peer had no credit left.
   bool Spent(bool low);
+  bool SpentBody(bool low);
   // A credit-spending receive is posted again: owe the peer its credit
   // back (SRQ mode: or two, to grow a busy sender's window, or none, to
   // shrink one that no longer runs out).
@@ -649,6 +654,49 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   Connection::Stats stats_;
 };
+
+// Inline here: OnRecv (receive.cc) runs them once per message received,
+// and ReturnSlot (credits.cc) once per message released (a call each).
+[[gnu::always_inline]] inline uint32_t ConnectionImpl::ReturnThresholdBody()
+    const {
+  // SRQ: a quarter of the current window, which may be as small as
+  // srq_initial_credits (a fixed quarter of recv_credits could exceed it
+  // and never be reached).
+  uint32_t window = pool_ != nullptr ? RecvWindow() : options_.recv_credits;
+  return std::max<uint32_t>(1, window / 4);
+}
+
+[[gnu::always_inline]] inline void ConnectionImpl::MaybeSendCreditsBody() {
+  // Twice per message received: the usual "nothing due" first, without
+  // a call.
+  if (credit_msg_running_) return;
+  if (to_return_ < ReturnThresholdBody() &&
+      (grants_unsent_ == 0 || !GrantsDue())) {
+    return;
+  }
+  if (!status_.ok() || closing_ || !started_) return;
+  if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
+  credit_msg_running_ = true;
+  SpawnInternal(SendCreditMessage());
+}
+
+[[gnu::always_inline]] inline bool ConnectionImpl::SpentBody(bool low) {
+  if (outstanding_ == 0) {
+    Protocol("a message arrived although the peer had no credit left");
+    return false;
+  }
+  --outstanding_;
+  if (pool_ != nullptr) {
+    --pool_->committed;
+    if (low) {
+      peer_low_ = true;
+      since_low_ = 0;
+    } else {
+      ++since_low_;
+    }
+  }
+  return true;
+}
 
 }  // namespace coverbs::cm::internal
 
