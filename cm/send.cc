@@ -167,6 +167,18 @@ ConnectionImpl::GetSendBuffer() {
   co_return co_await (*pool)->Get();
 }
 
+// Always inline: once per small message (TrySendInline, SendSmall).
+[[gnu::always_inline]] inline absl::Status ConnectionImpl::PostFrameInline(
+    MsgType type, size_t total, const LocalBuffer& frame) {
+  absl::Status s = qp_->PostInlineSend({&frame, 1});
+  if (!s.ok()) return OpError("send", s);
+  if (type == kData) {
+    ++stats_.messages_sent;
+    stats_.bytes_sent += total;
+  }
+  return absl::OkStatus();
+}
+
 std::optional<absl::Status> ConnectionImpl::TrySendInline(
     MsgType type, uint32_t cookie,
     std::span<const std::span<const std::byte>> parts, size_t total,
@@ -196,17 +208,6 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
   }
   return PostFrameInline(type, total,
                          LocalBuffer{frame, static_cast<uint32_t>(off), 0});
-}
-
-absl::Status ConnectionImpl::PostFrameInline(MsgType type, size_t total,
-                                             const LocalBuffer& frame) {
-  absl::Status s = qp_->PostInlineSend({&frame, 1});
-  if (!s.ok()) return OpError("send", s);
-  if (type == kData) {
-    ++stats_.messages_sent;
-    stats_.bytes_sent += total;
-  }
-  return absl::OkStatus();
 }
 
 Task<absl::Status> ConnectionImpl::SendSmall(
