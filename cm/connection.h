@@ -515,10 +515,16 @@ class Connection::SendAwaiter {
     return
         typename Task<absl::Status>::Awaiter{slow_.handle()}.await_suspend(h);
   }
-  absl::Status await_resume();
+  // The inline outcome here (once per small message; out of line it was a
+  // call).
+  absl::Status await_resume() {
+    if (inline_.has_value()) return *std::move(inline_);
+    return ResumeNotInline();
+  }
 
  private:
   friend class Connection;
+  absl::Status ResumeNotInline();
   SendAwaiter(internal::ConnectionImpl* impl,
               std::span<const std::span<const std::byte>> parts)
       : impl_(impl), parts_(parts) {}

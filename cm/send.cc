@@ -179,10 +179,11 @@ ConnectionImpl::GetSendBuffer() {
   return absl::OkStatus();
 }
 
-std::optional<absl::Status> ConnectionImpl::TrySendInline(
-    MsgType type, uint32_t cookie,
-    std::span<const std::span<const std::byte>> parts, size_t total,
-    const LocalBuffer* extra) {
+// Always inline: once per small message, from SendAwaiter::Start.
+[[gnu::always_inline]] inline std::optional<absl::Status>
+ConnectionImpl::TrySendInline(MsgType type, uint32_t cookie,
+                              std::span<const std::span<const std::byte>> parts,
+                              size_t total, const LocalBuffer* extra) {
   // Stack room for the frame: what a small message needs, while the
   // device's inline limit may be larger.
   constexpr size_t kMaxFrame = 256;
@@ -361,8 +362,7 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
   return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
 }
 
-absl::Status Connection::SendAwaiter::await_resume() {
-  if (inline_.has_value()) return *std::move(inline_);
+absl::Status Connection::SendAwaiter::ResumeNotInline() {
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
   if (!s.ok()) {
