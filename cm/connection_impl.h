@@ -110,8 +110,8 @@ struct PendingRts {
 };
 
 // Copies `parts` one after the other to `dst`; returns the bytes copied.
-inline size_t CopyParts(std::byte* dst,
-                        std::span<const std::span<const std::byte>> parts) {
+[[gnu::always_inline]] inline size_t CopyParts(
+    std::byte* dst, std::span<const std::span<const std::byte>> parts) {
   size_t off = 0;
   for (auto p : parts) {
     if (!p.empty()) std::memcpy(dst + off, p.data(), p.size());
@@ -248,6 +248,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  private:
   friend class ConnectionTestPeer;
   friend class cm::Connection::SendAwaiter;  // SendSmall's path, frameless
+  friend class cm::Connection;               // TrySendNow
   friend class cm::Connection::RecvAwaiter;  // Recv, frameless
   // Why a Recv that finds no message ends: down, closing, not started, or
   // closed by the peer with nothing left to deliver.

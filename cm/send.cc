@@ -362,6 +362,15 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
   return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
 }
 
+std::optional<absl::Status> Connection::TrySendNow(
+    std::span<const std::span<const std::byte>> parts) {
+  internal::ConnectionImpl& c = *impl_;
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  if (total > c.eager_max_ || total > c.peer_max_) return std::nullopt;
+  return c.TrySendInline(internal::kData, 0, parts, total, nullptr);
+}
+
 absl::Status Connection::SendAwaiter::ResumeNotInline() {
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
