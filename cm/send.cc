@@ -179,7 +179,7 @@ ConnectionImpl::GetSendBuffer() {
   return absl::OkStatus();
 }
 
-// Always inline: once per small message, from SendAwaiter::Start.
+// Always inline: once per small message (SendAwaiter::Start, TrySendNow).
 [[gnu::always_inline]] inline std::optional<absl::Status>
 ConnectionImpl::TrySendInline(MsgType type, uint32_t cookie,
                               std::span<const std::span<const std::byte>> parts,
