@@ -292,6 +292,13 @@ class Connection {
   // Gather: the message is the concatenation of `parts` (which, like the
   // bytes, must stay valid until the co_await completes).
   SendAwaiter SendV(std::span<const std::span<const std::byte>> parts);
+  // A small message posted inline now, when it goes at once without
+  // waiting for anything (the send turn and a credit free, the frame
+  // within the QP's inline limit): the outcome co_await SendV(parts) would
+  // give; nullopt when it cannot (nothing was taken: send it with SendV).
+  // For the rpc layer's requests and responses: no awaiter to build.
+  std::optional<absl::Status> TrySendNow(
+      std::span<const std::span<const std::byte>> parts);
   // SendV under its earlier name (when SendV still had a frame).
   SendAwaiter SendVDirect(std::span<const std::span<const std::byte>> parts);
   // Zero-copy from memory the caller registered (LOCAL_WRITE not needed).
@@ -515,10 +522,16 @@ class Connection::SendAwaiter {
     return
         typename Task<absl::Status>::Awaiter{slow_.handle()}.await_suspend(h);
   }
-  absl::Status await_resume();
+  // The inline outcome here (once per small message; out of line it was a
+  // call).
+  absl::Status await_resume() {
+    if (inline_.has_value()) return *std::move(inline_);
+    return ResumeNotInline();
+  }
 
  private:
   friend class Connection;
+  absl::Status ResumeNotInline();
   SendAwaiter(internal::ConnectionImpl* impl,
               std::span<const std::span<const std::byte>> parts)
       : impl_(impl), parts_(parts) {}

@@ -67,8 +67,9 @@ struct Incoming {
 class MessageQueue {
  public:
   bool empty() const { return head_ == tail_; }
-  void push_back(Message&& m) {
-    if (tail_ - head_ == buf_.size()) Grow();
+  // Inline: once per message received (gcc made it a call of its own).
+  [[gnu::always_inline]] void push_back(Message&& m) {
+    if (tail_ - head_ == buf_.size()) [[unlikely]] Grow();
     buf_[tail_++ & (buf_.size() - 1)] = std::move(m);
   }
   // Only when !empty().
@@ -83,7 +84,7 @@ class MessageQueue {
   uint64_t popped() const { return head_; }
 
  private:
-  void Grow() {
+  [[gnu::noinline]] void Grow() {
     // Keeps head_ and tail_ (pushed/popped count on): each message moves
     // to its index's slot in the bigger ring.
     std::vector<Message> bigger(std::max<size_t>(16, buf_.size() * 2));
@@ -109,8 +110,8 @@ struct PendingRts {
 };
 
 // Copies `parts` one after the other to `dst`; returns the bytes copied.
-inline size_t CopyParts(std::byte* dst,
-                        std::span<const std::span<const std::byte>> parts) {
+[[gnu::always_inline]] inline size_t CopyParts(
+    std::byte* dst, std::span<const std::span<const std::byte>> parts) {
   size_t off = 0;
   for (auto p : parts) {
     if (!p.empty()) std::memcpy(dst + off, p.data(), p.size());
@@ -234,6 +235,10 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   void OnRecv(RecvSlot* slot, const ibv_wc& wc);
   void ReturnSlot(RecvSlot* slot);
+  // OnRecv and ReturnSlot's bodies: always inlined into RecvSlot::OnRecv
+  // and RecvSlot::Release (once per message received; a call layer each).
+  void OnRecvBody(RecvSlot* slot, const ibv_wc& wc);
+  void ReturnSlotBody(RecvSlot* slot);
   // Ring mode: posts the slots gathered by ReturnSlot and owes the peer
   // their credits; on failure the connection is failed (false).
   bool FlushRefill();
@@ -243,6 +248,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
  private:
   friend class ConnectionTestPeer;
   friend class cm::Connection::SendAwaiter;  // SendSmall's path, frameless
+  friend class cm::Connection;               // TrySendNow
   friend class cm::Connection::RecvAwaiter;  // Recv, frameless
   // Why a Recv that finds no message ends: down, closing, not started, or
   // closed by the peer with nothing left to deliver.
@@ -444,6 +450,8 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   void FailInternalSend(const absl::Status& s, const char* what);
   void FillHeader(WireHeader& h, MsgType type, uint32_t length, uint32_t cookie,
                   uint16_t flags);
+  void FillHeaderBody(WireHeader& h, MsgType type, uint32_t length,
+                      uint32_t cookie, uint16_t flags);
   // Takes the connection down: status_ becomes `why` with the cause's
   // words first (CloseCauseName), the close is logged with it. The one-
   // argument form finds the cause in the verbs status `why` carries.
@@ -470,6 +478,7 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // A credit-spending message arrived (`low`: the peer set kFlagCreditLow on
   // it); false (the connection failed) if the peer had no credit left.
   bool Spent(bool low);
+  bool SpentBody(bool low);
   // A credit-spending receive is posted again: owe the peer its credit
   // back (SRQ mode: or two, to grow a busy sender's window, or none, to
   // shrink one that no longer runs out).
@@ -650,6 +659,49 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
 
   Connection::Stats stats_;
 };
+
+// Inline here: OnRecv (receive.cc) runs them once per message received,
+// and ReturnSlot (credits.cc) once per message released (a call each).
+[[gnu::always_inline]] inline uint32_t ConnectionImpl::ReturnThresholdBody()
+    const {
+  // SRQ: a quarter of the current window, which may be as small as
+  // srq_initial_credits (a fixed quarter of recv_credits could exceed it
+  // and never be reached).
+  uint32_t window = pool_ != nullptr ? RecvWindow() : options_.recv_credits;
+  return std::max<uint32_t>(1, window / 4);
+}
+
+[[gnu::always_inline]] inline void ConnectionImpl::MaybeSendCreditsBody() {
+  // Twice per message received: the usual "nothing due" first, without
+  // a call.
+  if (credit_msg_running_) return;
+  if (to_return_ < ReturnThresholdBody() &&
+      (grants_unsent_ == 0 || !GrantsDue())) {
+    return;
+  }
+  if (!status_.ok() || closing_ || !started_) return;
+  if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
+  credit_msg_running_ = true;
+  SpawnInternal(SendCreditMessage());
+}
+
+[[gnu::always_inline]] inline bool ConnectionImpl::SpentBody(bool low) {
+  if (outstanding_ == 0) {
+    Protocol("a message arrived although the peer had no credit left");
+    return false;
+  }
+  --outstanding_;
+  if (pool_ != nullptr) {
+    --pool_->committed;
+    if (low) {
+      peer_low_ = true;
+      since_low_ = 0;
+    } else {
+      ++since_low_;
+    }
+  }
+  return true;
+}
 
 }  // namespace coverbs::cm::internal
 

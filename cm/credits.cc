@@ -10,6 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cm/connection_impl.h"
+#include "cm/recv_buffers.h"
+#include "cm/srq_pool.h"
 
 namespace coverbs::cm::internal {
 
@@ -82,46 +84,7 @@ uint32_t ConnectionImpl::ReturnThreshold() const {
 void ConnectionImpl::Replenish() { ReplenishBody(); }
 bool ConnectionImpl::Repost(RecvSlot* slot) { return RepostBody(slot); }
 
-[[gnu::always_inline]] inline void ConnectionImpl::MaybeSendCreditsBody() {
-  // Twice per message received: the usual "nothing due" first, without
-  // a call.
-  if (credit_msg_running_) return;
-  if (to_return_ < ReturnThresholdBody() &&
-      (grants_unsent_ == 0 || !GrantsDue())) {
-    return;
-  }
-  if (!status_.ok() || closing_ || !started_) return;
-  if (credit_msgs_sent_ - credit_msgs_acked_ >= kCreditReserve) return;
-  credit_msg_running_ = true;
-  SpawnInternal(SendCreditMessage());
-}
-
-[[gnu::always_inline]] inline uint32_t ConnectionImpl::ReturnThresholdBody()
-    const {
-  // SRQ: a quarter of the current window, which may be as small as
-  // srq_initial_credits (a fixed quarter of recv_credits could exceed it
-  // and never be reached).
-  uint32_t window = pool_ != nullptr ? RecvWindow() : options_.recv_credits;
-  return std::max<uint32_t>(1, window / 4);
-}
-
-bool ConnectionImpl::Spent(bool low) {
-  if (outstanding_ == 0) {
-    Protocol("a message arrived although the peer had no credit left");
-    return false;
-  }
-  --outstanding_;
-  if (pool_ != nullptr) {
-    --pool_->committed;
-    if (low) {
-      peer_low_ = true;
-      since_low_ = 0;
-    } else {
-      ++since_low_;
-    }
-  }
-  return true;
-}
+bool ConnectionImpl::Spent(bool low) { return SpentBody(low); }
 
 [[gnu::always_inline]] inline void ConnectionImpl::ReplenishBody() {
   if (pool_ == nullptr) {
@@ -166,7 +129,8 @@ bool ConnectionImpl::Spent(bool low) {
   return true;
 }
 
-void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
+[[gnu::always_inline]] inline void ConnectionImpl::ReturnSlotBody(
+    RecvSlot* slot) {
   if (pool_ != nullptr) --held_;
   if (!status_.ok() || qp_->in_error()) {
     // The ring is finished; an SRQ buffer serves the other connections.
@@ -189,6 +153,24 @@ void ConnectionImpl::ReturnSlot(RecvSlot* slot) {
     if (!FlushRefill()) return;
   }
   MaybeSendCreditsBody();
+}
+
+void ConnectionImpl::ReturnSlot(RecvSlot* slot) { ReturnSlotBody(slot); }
+
+// Here, with ReturnSlot's body inlined (RecvSlot::Release runs once per
+// message released).
+void RecvSlot::Release() {
+  if (pool != nullptr) {
+    pool->Release(this);
+    return;
+  }
+  RecvRing* r = ring;
+  --r->held;
+  if (r->conn != nullptr) {
+    r->conn->ReturnSlotBody(this);
+  } else {
+    r->MaybeDelete();
+  }
 }
 
 bool ConnectionImpl::FlushRefill() {

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cm/connection_impl.h"
+#include "cm/recv_buffers.h"
+#include "cm/srq_pool.h"
 #include "cm/worker_shared.h"
 #include "transport/errors.h"
 
@@ -20,6 +22,20 @@ void ConnectionImpl::Protocol(absl::string_view what) {
 }
 
 void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
+  OnRecvBody(slot, wc);
+}
+
+// Here, with OnRecv's body inlined (once per message received).
+void RecvSlot::OnRecv(const ibv_wc& wc) {
+  if (pool != nullptr) {
+    pool->OnRecv(this, wc);
+  } else if (ring->conn != nullptr) {
+    ring->conn->OnRecvBody(this, wc);
+  }
+}
+
+[[gnu::always_inline]] inline void ConnectionImpl::OnRecvBody(
+    RecvSlot* slot, const ibv_wc& wc) {
   if (wc.status != IBV_WC_SUCCESS) {
     OnRecvFailed(wc);
     return;
@@ -97,7 +113,7 @@ void ConnectionImpl::OnRecv(RecvSlot* slot, const ibv_wc& wc) {
       Protocol(absl::StrFormat("unknown message type %d", h.type));
       ok = false;
   }
-  if (ok) MaybeSendCredits();
+  if (ok) MaybeSendCreditsBody();
 }
 
 void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
@@ -172,7 +188,7 @@ void ConnectionImpl::OnRecvFailed(const ibv_wc& wc) {
     credits_.Release(h.credits);
   }
   if (h.type == kCredit || h.type == kCts) return true;
-  return Spent((h.flags & kFlagCreditLow) != 0);
+  return SpentBody((h.flags & kFlagCreditLow) != 0);
 }
 
 void ConnectionImpl::Consume(RecvSlot* slot) {

@@ -16,6 +16,13 @@ namespace coverbs::cm::internal {
 
 void ConnectionImpl::FillHeader(WireHeader& h, MsgType type, uint32_t length,
                                 uint32_t cookie, uint16_t flags) {
+  FillHeaderBody(h, type, length, cookie, flags);
+}
+
+// Always inline into the small-message path (a call there per message).
+[[gnu::always_inline]] inline void ConnectionImpl::FillHeaderBody(
+    WireHeader& h, MsgType type, uint32_t length, uint32_t cookie,
+    uint16_t flags) {
   h.type = type;
   h.flags = static_cast<uint8_t>(flags);
   uint32_t give = std::min<uint32_t>(to_return_, 0xffff);
@@ -48,7 +55,7 @@ size_t ConnectionImpl::WriteFrame(std::byte* dst, MsgType type, uint32_t cookie,
     std::byte* dst, MsgType type, uint32_t length, uint32_t cookie,
     std::span<const std::span<const std::byte>> parts) {
   WireHeader h;
-  FillHeader(h, type, length, cookie, 0);
+  FillHeaderBody(h, type, length, cookie, 0);
   std::memcpy(dst, &h, kHeaderSize);
   return kHeaderSize + CopyParts(dst + kHeaderSize, parts);
 }
@@ -160,10 +167,23 @@ ConnectionImpl::GetSendBuffer() {
   co_return co_await (*pool)->Get();
 }
 
-std::optional<absl::Status> ConnectionImpl::TrySendInline(
-    MsgType type, uint32_t cookie,
-    std::span<const std::span<const std::byte>> parts, size_t total,
-    const LocalBuffer* extra) {
+// Always inline: once per small message (TrySendInline, SendSmall).
+[[gnu::always_inline]] inline absl::Status ConnectionImpl::PostFrameInline(
+    MsgType type, size_t total, const LocalBuffer& frame) {
+  absl::Status s = qp_->PostInlineSend({&frame, 1});
+  if (!s.ok()) return OpError("send", s);
+  if (type == kData) {
+    ++stats_.messages_sent;
+    stats_.bytes_sent += total;
+  }
+  return absl::OkStatus();
+}
+
+// Always inline: once per small message (SendAwaiter::Start, TrySendNow).
+[[gnu::always_inline]] inline std::optional<absl::Status>
+ConnectionImpl::TrySendInline(MsgType type, uint32_t cookie,
+                              std::span<const std::span<const std::byte>> parts,
+                              size_t total, const LocalBuffer* extra) {
   // Stack room for the frame: what a small message needs, while the
   // device's inline limit may be larger.
   constexpr size_t kMaxFrame = 256;
@@ -176,11 +196,10 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
   // Checked before the header takes the credits it returns to the peer: a
   // post refused for room would lose them.
   if (!CanSendInlineNow()) return std::nullopt;
-  if (!send_turn_.TryAcquire(1)) return std::nullopt;
-  if (!credits_.TryAcquire(1)) {
-    send_turn_.Release(1);
-    return std::nullopt;
-  }
+  // The turn is free and nobody waits for it: the frame is posted before
+  // anything else runs, so it is not taken and given back.
+  if (!send_turn_.WouldAcquire(1)) return std::nullopt;
+  if (!credits_.TryAcquire(1)) return std::nullopt;
   alignas(8) std::byte frame[kMaxFrame];
   size_t off =
       WriteFrame(frame, type, static_cast<uint32_t>(total), cookie, parts);
@@ -188,20 +207,8 @@ std::optional<absl::Status> ConnectionImpl::TrySendInline(
     std::memcpy(frame + off, extra->addr, extra->length);
     off += extra->length;
   }
-  send_turn_.Release(1);  // posted in order: nothing runs before the post
   return PostFrameInline(type, total,
                          LocalBuffer{frame, static_cast<uint32_t>(off), 0});
-}
-
-absl::Status ConnectionImpl::PostFrameInline(MsgType type, size_t total,
-                                             const LocalBuffer& frame) {
-  absl::Status s = qp_->PostInlineSend({&frame, 1});
-  if (!s.ok()) return OpError("send", s);
-  if (type == kData) {
-    ++stats_.messages_sent;
-    stats_.bytes_sent += total;
-  }
-  return absl::OkStatus();
 }
 
 Task<absl::Status> ConnectionImpl::SendSmall(
@@ -355,8 +362,16 @@ Connection::SendAwaiter::Step Connection::SendAwaiter::Start(
   return op_->await_suspend(h) ? Step::kPosted : Step::kDone;
 }
 
-absl::Status Connection::SendAwaiter::await_resume() {
-  if (inline_.has_value()) return *std::move(inline_);
+std::optional<absl::Status> Connection::TrySendNow(
+    std::span<const std::span<const std::byte>> parts) {
+  internal::ConnectionImpl& c = *impl_;
+  size_t total = 0;
+  for (auto p : parts) total += p.size();
+  if (total > c.eager_max_ || total > c.peer_max_) return std::nullopt;
+  return c.TrySendInline(internal::kData, 0, parts, total, nullptr);
+}
+
+absl::Status Connection::SendAwaiter::ResumeNotInline() {
   if (slow_.valid()) return std::move(slow_.handle().promise()).result();
   absl::Status s = op_->TakeStatus();
   if (!s.ok()) {

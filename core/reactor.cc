@@ -15,7 +15,7 @@
 namespace coverbs {
 namespace {
 
-thread_local Reactor* tls_current = nullptr;
+using internal::tls_reactor;
 
 // user_data values that are not IoSlot pointers (slots are 8-byte aligned).
 constexpr uint64_t kIgnoreTag = 0;
@@ -27,8 +27,8 @@ constexpr uint64_t kAlarmTag = 2;
 // drives another one, e.g. the Asio bridge in tests).
 class CurrentScope {
  public:
-  explicit CurrentScope(Reactor* r) : prev_(tls_current) { tls_current = r; }
-  ~CurrentScope() { tls_current = prev_; }
+  explicit CurrentScope(Reactor* r) : prev_(tls_reactor) { tls_reactor = r; }
+  ~CurrentScope() { tls_reactor = prev_; }
 
  private:
   Reactor* prev_;
@@ -178,8 +178,6 @@ Reactor::~Reactor() {
   if (wake_fd_ >= 0) close(wake_fd_);
 }
 
-Reactor* Reactor::Current() { return tls_current; }
-
 void Reactor::Run() {
   CurrentScope scope(this);
   in_loop_ = true;
@@ -215,11 +213,7 @@ void Reactor::Stop() {
   Wake();
 }
 
-void Reactor::Schedule(std::coroutine_handle<> h) {
-  if (InLoopThread()) {
-    ready_.push_back(h);
-    return;
-  }
+void Reactor::ScheduleRemote(std::coroutine_handle<> h) {
   std::lock_guard<std::mutex> lock(remote_mu_);
   remote_handles_.push_back(h);
   SignalRemoteLocked();
@@ -516,10 +510,6 @@ int Reactor::RunReady() {
   t = saved;
   running_.clear();
   return n;
-}
-
-void Reactor::NameCurrentTask(std::string_view name) {
-  if (tls_current != nullptr) tls_current->task_name_ = name;
 }
 
 void Reactor::ReportStall(int64_t since_ns) {

@@ -42,8 +42,15 @@
 #include "core/intrusive.h"
 #include "core/task.h"
 
+namespace coverbs {
+class Reactor;
+}  // namespace coverbs
+
 namespace coverbs::internal {
 struct StallState;  // core/stall_watchdog.h
+// The reactor whose loop runs on this thread (Reactor::Current). Inline:
+// Schedule asks it once per resumption it queues.
+inline thread_local Reactor* tls_reactor = nullptr;
 }  // namespace coverbs::internal
 
 namespace coverbs {
@@ -197,7 +204,7 @@ class Reactor {
   Reactor& operator=(const Reactor&) = delete;
 
   // The reactor whose loop is running on this thread, or nullptr.
-  static Reactor* Current();
+  static Reactor* Current() { return internal::tls_reactor; }
 
   // Runs the loop until Stop().
   void Run();
@@ -215,8 +222,16 @@ class Reactor {
   template <typename T>
   T BlockOn(Task<T> task);
 
-  // Resumes `h` from the ready queue (thread-safe; never inline).
-  void Schedule(std::coroutine_handle<> h);
+  // Resumes `h` from the ready queue (thread-safe; never inline). The
+  // reactor's own thread queues it here (once per resumption: a call and
+  // another for Current() otherwise).
+  void Schedule(std::coroutine_handle<> h) {
+    if (InLoopThread()) [[likely]] {
+      ready_.push_back(h);
+      return;
+    }
+    ScheduleRemote(h);
+  }
   // Runs `fn` on the reactor thread (thread-safe).
   void Post(absl::AnyInvocable<void()> fn);
   // Starts `task` detached. The reactor tracks it until it completes and
@@ -282,12 +297,15 @@ class Reactor {
   // (the next resumption starts unnamed): a stall report names it. `name`
   // must stay valid as long as the task runs (a literal, a registered
   // method name). No effect outside a reactor's loop.
-  static void NameCurrentTask(std::string_view name);
+  static void NameCurrentTask(std::string_view name) {
+    if (Reactor* r = Current()) r->task_name_ = name;
+  }
   // Stalls reported so far (any thread).
   uint64_t stalls() const { return stalls_.load(std::memory_order_relaxed); }
 
  private:
   friend void internal::FinishDetached(internal::DetachedRecord* r) noexcept;
+  void ScheduleRemote(std::coroutine_handle<> h);
   explicit Reactor(ReactorOptions options);
   absl::Status Init();
 

@@ -509,11 +509,19 @@ Task<absl::StatusOr<Response>> CallPlain(std::shared_ptr<ClientState> st,
   // it (it usually came with the response): this coroutine resumes once
   // per call, not twice. A send that fails fails the connection, which
   // completes `p` (FailAll); a stopped call still waits for its posted send.
-  cm::Connection::SendAwaiter send = st->conn->SendV(parts);
-  const bool posted = send.PostNow();
-  if (posted) co_await p;
-  absl::Status sent = co_await send;
-  if (!posted && sent.ok()) co_await p;
+  // Usually the request goes inline at once (TrySendNow), with no awaiter
+  // built and torn down per call.
+  absl::Status sent;
+  if (std::optional<absl::Status> now = st->conn->TrySendNow(parts)) {
+    sent = *std::move(now);
+    if (sent.ok()) co_await p;
+  } else {
+    cm::Connection::SendAwaiter send = st->conn->SendV(parts);
+    const bool posted = send.PostNow();
+    if (posted) co_await p;
+    sent = co_await send;
+    if (!posted && sent.ok()) co_await p;
+  }
   if (p.result.has_value()) {
     // A response goes into the call's result as a Payload: moving the
     // whole StatusOr went through an out-of-line absl helper (~25 Ir).

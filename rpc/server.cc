@@ -709,9 +709,15 @@ Server::CallCoro Server::RunCall(Conn* c, uint64_t call_id,
       // that went inline is complete, and the co_await does not suspend;
       // awaited at once, such a send suspended and resumed this coroutine
       // (~30 Ir per call).
-      cm::Connection::SendAwaiter send = c->conn->SendV(parts);
-      send.PostNow();
-      absl::Status sent = co_await send;
+      // Usually it goes inline at once (TrySendNow: no awaiter per call).
+      absl::Status sent;
+      if (std::optional<absl::Status> now = c->conn->TrySendNow(parts)) {
+        sent = *std::move(now);
+      } else {
+        cm::Connection::SendAwaiter send = c->conn->SendV(parts);
+        send.PostNow();
+        sent = co_await send;
+      }
       if (sent.ok()) {
         stats_.response_bytes.fetch_add(data.size());
         sent_bytes = data.size();
