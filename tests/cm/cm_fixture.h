@@ -116,6 +116,15 @@ class CmTest : public ::testing::TestWithParam<std::string> {
   }
   // The listener on `listen_at`, the client connecting to `connect_to`
   // (host names, IPv6 literals, a wildcard listener).
+  // Accepts one connection on `l` into `*out`, then marks `wg` done (spawn
+  // it, then connect).
+  static Task<void> AcceptInto(Listener* l,
+                               absl::StatusOr<std::unique_ptr<Connection>>* out,
+                               WaitGroup* wg) {
+    *out = co_await l->Accept();
+    wg->Done();
+  }
+
   Task<absl::StatusOr<Pair>> MakePairAt(std::string listen_at,
                                         std::string connect_to,
                                         ConnectOptions co, ListenerOptions lo) {
@@ -127,12 +136,7 @@ class CmTest : public ::testing::TestWithParam<std::string> {
         absl::UnknownError("not run");
     WaitGroup wg;
     wg.Add();
-    auto acc = [](Listener* l, absl::StatusOr<std::unique_ptr<Connection>>* out,
-                  WaitGroup* wg) -> Task<void> {
-      *out = co_await l->Accept();
-      wg->Done();
-    };
-    reactor_->Spawn(acc(p.listener.get(), &accepted, &wg));
+    reactor_->Spawn(AcceptInto(p.listener.get(), &accepted, &wg));
     auto c = co_await Connect(*client_ctx_, connect_to, p.listener->port(), co);
     if (!c.ok()) {
       p.listener->Close();

@@ -424,12 +424,7 @@ TEST_P(RendezvousBudgetTest, RtsBeforeThePassiveSideStartedIsAnswered) {
         absl::UnknownError("not run");
     WaitGroup accepting;
     accepting.Add();
-    auto acc = [](Listener* l, absl::StatusOr<std::unique_ptr<Connection>>* out,
-                  WaitGroup* wg) -> Task<void> {
-      *out = co_await l->Accept();
-      wg->Done();
-    };
-    t->reactor_->Spawn(acc(ln->get(), &accepted, &accepting));
+    t->reactor_->Spawn(AcceptInto(ln->get(), &accepted, &accepting));
     ConnectOptions co;
     co.connection.landing_buffers = 0;
     auto c = co_await Connect(*t->client_ctx_, t->addr_, (*ln)->port(), co);
