@@ -3,22 +3,17 @@
 // INVALID_ARGUMENT (sizes, bad protobuf, msgpack that lies about its
 // counts or trails bytes) rather than read out of bounds or allocated for.
 // The decode bound (issue 36): legitimate shapes decode within it, with
-// the heap they really take measured (operator new counted below);
+// the heap they really take measured (heap_counter.h);
 // amplifying payloads are refused with RESOURCE_EXHAUSTED before anything
 // is allocated for them; a struct must come with exactly its arity; the
 // direct msgpack decoder converts like msgpack-c.
 #include "rpc/codec.h"
 
-#include <malloc.h>
-
 #include <array>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
-#include <new>
 #include <optional>
 #include <random>
 #include <string>
@@ -31,53 +26,8 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "rpc/typed.h"
+#include "tests/rpc/heap_counter.h"
 #include "tests/rpc/typed_test.pb.h"
-
-// The heap this process holds, and its peak: every operator new and delete
-// (what std containers and protobuf allocate with) is counted here.
-namespace {
-std::atomic<int64_t> g_live{0};
-std::atomic<int64_t> g_peak{0};
-
-void* CountedNew(size_t n, size_t align) {
-  void* p = align > alignof(std::max_align_t)
-                ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                : std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  const int64_t now =
-      g_live.fetch_add(malloc_usable_size(p)) + malloc_usable_size(p);
-  int64_t peak = g_peak.load();
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
-  }
-  return p;
-}
-void CountedDelete(void* p) {
-  if (p == nullptr) return;
-  g_live.fetch_sub(malloc_usable_size(p));
-  std::free(p);
-}
-}  // namespace
-
-void* operator new(size_t n) { return CountedNew(n, 0); }
-void* operator new[](size_t n) { return CountedNew(n, 0); }
-void* operator new(size_t n, std::align_val_t a) {
-  return CountedNew(n, static_cast<size_t>(a));
-}
-void* operator new[](size_t n, std::align_val_t a) {
-  return CountedNew(n, static_cast<size_t>(a));
-}
-void operator delete(void* p) noexcept { CountedDelete(p); }
-void operator delete[](void* p) noexcept { CountedDelete(p); }
-void operator delete(void* p, size_t) noexcept { CountedDelete(p); }
-void operator delete[](void* p, size_t) noexcept { CountedDelete(p); }
-void operator delete(void* p, std::align_val_t) noexcept { CountedDelete(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { CountedDelete(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept {
-  CountedDelete(p);
-}
-void operator delete[](void* p, size_t, std::align_val_t) noexcept {
-  CountedDelete(p);
-}
 
 // Outside the anonymous namespace: msgpack's adaptor specializations must
 // name them.
@@ -87,13 +37,7 @@ MSGPACK_ADD_ENUM(Color);
 namespace coverbs::rpc {
 namespace {
 
-// The most the heap grew above where it was while fn ran.
-int64_t PeakHeapDuring(const std::function<void()>& fn) {
-  const int64_t before = g_live.load();
-  g_peak.store(before);
-  fn();
-  return g_peak.load() - before;
-}
+using testing::PeakHeapDuring;
 
 struct Pod {
   uint64_t a = 0;
