@@ -22,7 +22,8 @@
 //    what is in it; repeated, also 24; a map entry also its node (64);
 //  - an unknown field (or a known one with another wire type): 48 (a
 //    16-byte UnknownField in a doubling vector), and a length-delimited
-//    one a std::string too; an unknown group its set.
+//    one a std::string too; an unknown group its set; a message's first
+//    unknown field also the message's unknown-field set (48).
 // Extensions are charged as unknown fields. It also checks the wire
 // structure the parse would refuse (varints, lengths, groups, field 0,
 // wire types 6 and 7, nesting deeper than 100).
@@ -98,6 +99,9 @@ struct Plan {
 };
 
 constexpr size_t kUnknownField = 48;   // UnknownField (16), vector doubling
+// A message's first unknown field also makes its unknown-field set (the
+// InternalMetadata container: the set's vector and an arena pointer).
+constexpr size_t kUnknownSet = 48;
 constexpr size_t kOwnString = 48;      // a new std::string (32 + header)
 constexpr size_t kPointerSlot = 24;    // RepeatedPtrField's slot: 8, doubling
 constexpr size_t kMapNode = 64;        // a Map node's links and hash
@@ -340,6 +344,13 @@ class Scanner {
     if (depth > kMaxDepth) {
       return Invalid(absl::StrCat("nested deeper than ", kMaxDepth), p);
     }
+    bool unknowns = false;  // this message's unknown-field set made
+    // What a field that goes to the unknown fields costs beyond `extra`.
+    auto unknown = [&unknowns](size_t extra) {
+      const size_t c = kUnknownField + extra + (unknowns ? 0 : kUnknownSet);
+      unknowns = true;
+      return c;
+    };
     while (p < end) {
       const uint8_t* at = p;
       uint64_t tag;
@@ -353,13 +364,16 @@ class Scanner {
       }
       if (number == 0) return Invalid("field number 0", at);
       const Field* f = plan != nullptr ? plan->Find(number) : nullptr;
-      size_t cost = kUnknownField;
+      size_t cost = 0;
+      bool known = false;  // the field's value goes into a field of its own
       switch (wt) {
         case 0: {
           uint64_t v = 0;
           if (!Varint(p, end, v)) return false;
           if (f != nullptr && f->kind == FieldKind::kVarint) {
-            cost = f->closed_enum ? kUnknownField : f->repeated ? 3 * f->elem : 0;
+            // (A closed enum's value outside it goes to the unknown fields.)
+            known = !f->closed_enum;
+            cost = f->closed_enum ? unknown(0) : f->repeated ? 3 * f->elem : 0;
           }
           break;
         }
@@ -369,7 +383,10 @@ class Scanner {
           if (static_cast<size_t>(end - p) < w) return Invalid("truncated", at);
           p += w;
           const FieldKind k = wt == 1 ? FieldKind::kFixed64 : FieldKind::kFixed32;
-          if (f != nullptr && f->kind == k) cost = f->repeated ? 3 * f->elem : 0;
+          if (f != nullptr && f->kind == k) {
+            known = true;
+            cost = f->repeated ? 3 * f->elem : 0;
+          }
           break;
         }
         case 2: {
@@ -383,14 +400,15 @@ class Scanner {
           p = body_end;
           if (f == nullptr || f->kind == FieldKind::kGroup) {
             if (lite_ && plan == nullptr && LooksLikeMessage(body, body_end, depth + 1)) {
-              if (!Charge(kUnknownField + MallocCost(kLiteMessage), at)) return false;
+              if (!Charge(unknown(MallocCost(kLiteMessage)), at)) return false;
               const uint8_t* q = body;
               if (!Message(nullptr, q, body_end, depth + 1, 0)) return false;
               continue;
             }
-            cost = kUnknownField + kOwnString + StringHeap(len);
+            cost = unknown(kOwnString + StringHeap(len));
             break;
           }
+          known = true;
           switch (f->kind) {
             case FieldKind::kString:
               cost = (f->repeated ? kPointerSlot : 0) + kOwnString + StringHeap(len);
@@ -407,12 +425,12 @@ class Scanner {
             }
             default: {  // a scalar: packed if repeated, else unknown
               if (!f->packable) {
-                cost = kUnknownField + kOwnString + StringHeap(len);
+                cost = unknown(kOwnString + StringHeap(len));
                 break;
               }
               uint64_t n = 0;
               if (!CountPacked(*f, body, body_end, n)) return false;
-              cost = f->closed_enum ? n * kUnknownField
+              cost = f->closed_enum ? (n == 0 ? 0 : unknown(0) + (n - 1) * kUnknownField)
                      : f->kind == FieldKind::kVarint
                          ? PackedCost(n, f->elem)
                          : MallocCost(8 + n * f->elem);  // reserved at once
@@ -422,9 +440,9 @@ class Scanner {
           break;
         }
         case 3: {
-          const bool known = f != nullptr && f->kind == FieldKind::kGroup;
+          known = f != nullptr && f->kind == FieldKind::kGroup;
           cost = known ? (f->repeated ? kPointerSlot : 0) + MallocCost(f->sub->object_size)
-                       : kUnknownField + MallocCost(40);  // an UnknownFieldSet
+                       : unknown(MallocCost(40));  // and the group's own set
           if (!Charge(cost, at)) return false;
           if (!Message(known ? f->sub : nullptr, p, end, depth + 1, number)) {
             return false;
@@ -434,6 +452,8 @@ class Scanner {
         default:
           return Invalid(absl::StrCat("wire type ", wt), at);
       }
+      // A field of the plan with another wire type is an unknown field.
+      if (!known && cost == 0) cost = unknown(0);
       if (!Charge(cost, at)) return false;
     }
     if (group != 0) return Invalid("unterminated group", p);
