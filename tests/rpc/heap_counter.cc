@@ -12,12 +12,18 @@ namespace {
 std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_peak{0};
 
+// What a block takes from the allocator: its usable size and glibc's
+// chunk header (the costs rpc/codec_msgpack.h's MallocCost models).
+int64_t BlockBytes(void* p) {
+  return static_cast<int64_t>(malloc_usable_size(p) + sizeof(size_t));
+}
+
 void* CountedNew(size_t n, size_t align) {
   void* p = align > alignof(std::max_align_t)
                 ? std::aligned_alloc(align, (n + align - 1) / align * align)
                 : std::malloc(n == 0 ? 1 : n);
   if (p == nullptr) throw std::bad_alloc();
-  const int64_t size = static_cast<int64_t>(malloc_usable_size(p));
+  const int64_t size = BlockBytes(p);
   const int64_t now = g_live.fetch_add(size) + size;
   int64_t peak = g_peak.load();
   while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
@@ -27,7 +33,7 @@ void* CountedNew(size_t n, size_t align) {
 
 void CountedDelete(void* p) {
   if (p == nullptr) return;
-  g_live.fetch_sub(static_cast<int64_t>(malloc_usable_size(p)));
+  g_live.fetch_sub(BlockBytes(p));
   std::free(p);
 }
 

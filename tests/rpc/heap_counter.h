@@ -1,7 +1,8 @@
 // The heap a test binary holds, counted at every operator new and delete
 // (what std containers and libprotobuf allocate with): linking this
 // library replaces the program's global operator new/delete. Each block
-// counts its usable size (malloc_usable_size). For tests that check what a
+// counts what it takes from the allocator: its usable size
+// (malloc_usable_size) and glibc's 8-byte chunk header. For tests that check what a
 // decode really allocates against the bound it promised (codec_test,
 // codec_fuzzer).
 #ifndef COVERBS_TESTS_RPC_HEAP_COUNTER_H_
