@@ -1,21 +1,14 @@
 // A standalone driver for codec_fuzzer.cc, for compilers without libFuzzer
-// (gcc): the test CI's ASan run executes. Usage:
-//   driver FILE...              replay each file once
-//   driver [-runs=N] [-seed=S]  the built-in seeds, then N mutations of them
-//                               (default 20000)
+// (gcc): the test CI's ASan run executes (usage: tests/fuzz_driver_main.h;
+// 20,000 mutations unless told).
 // Seeds: encodings of each type the target decodes (msgpack values of
 // several shapes, protobuf messages). Mutations know msgpack's format:
 // a byte replaced by a type marker (nil, bool, integers, floats, str, bin,
 // ext, array and map of every width), a length or count field set to a
 // boundary value, truncation, extension, a slice repeated, two inputs
 // spliced, a random byte.
-// Exits non-zero only if the target aborts (which kills the process).
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -26,14 +19,13 @@
 #include <vector>
 
 #include "rpc/codec.h"
+#include "tests/fuzz_driver_main.h"
 #include "tests/rpc/codec_fuzz_types.h"
 #include "tests/rpc/typed_test.pb.h"
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
-
 namespace {
 
-using Bytes = std::vector<uint8_t>;
+using Bytes = coverbs::testing::FuzzInput;
 namespace fuzz = coverbs::rpc::fuzz;
 
 template <typename T>
@@ -153,39 +145,12 @@ Bytes Mutate(Bytes v, const std::vector<Bytes>& seeds, std::mt19937_64& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  long runs = 20000;
-  uint64_t seed = 1;
-  std::vector<std::string> files;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("-runs=", 0) == 0) {
-      runs = std::strtol(a.c_str() + 6, nullptr, 10);
-    } else if (a.rfind("-seed=", 0) == 0) {
-      seed = std::strtoull(a.c_str() + 6, nullptr, 10);
-    } else if (!a.empty() && a[0] != '-') {
-      files.push_back(a);
-    }
-  }
-  if (!files.empty()) {
-    for (const std::string& f : files) {
-      std::ifstream in(f, std::ios::binary);
-      Bytes v((std::istreambuf_iterator<char>(in)),
-              std::istreambuf_iterator<char>());
-      LLVMFuzzerTestOneInput(v.data(), v.size());
-    }
-    std::printf("replayed %zu inputs\n", files.size());
-    return 0;
-  }
   const std::vector<Bytes> seeds = Seeds();
-  for (const Bytes& s : seeds) LLVMFuzzerTestOneInput(s.data(), s.size());
-  std::mt19937_64 rng(seed);
-  for (long i = 0; i < runs; ++i) {
-    // Mutations of mutations too: a quarter of the runs mutate further.
-    Bytes v = Mutate(seeds[rng() % seeds.size()], seeds, rng);
-    while (rng() % 4 == 0) v = Mutate(std::move(v), seeds, rng);
-    LLVMFuzzerTestOneInput(v.data(), v.size());
-  }
-  std::printf("ran %zu seeds and %ld mutations (seed %llu)\n", seeds.size(),
-              runs, static_cast<unsigned long long>(seed));
-  return 0;
+  return coverbs::testing::RunFuzzDriver(
+      argc, argv, 20000, seeds, [&](Bytes v, std::mt19937_64& rng) {
+        // Mutations of mutations too: a quarter mutate further.
+        v = Mutate(std::move(v), seeds, rng);
+        while (rng() % 4 == 0) v = Mutate(std::move(v), seeds, rng);
+        return v;
+      });
 }

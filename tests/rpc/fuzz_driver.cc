@@ -1,23 +1,15 @@
-// A standalone driver for libFuzzer-style targets, for compilers without
-// libFuzzer (gcc). Usage:
-//   driver FILE...            replay each file once
-//   driver [-runs=N] [-seed=S] mutate the built-in seeds N times (default
-//                              200000) with byte flips, truncations,
-//                              extensions and field splices
-// Exits non-zero only if the target aborts (which kills the process).
+// A standalone driver for wire_fuzzer.cc, for compilers without libFuzzer
+// (gcc; usage: tests/fuzz_driver_main.h): the rpc frames' seeds mutated
+// 200,000 times unless told, with byte flips, truncations, extensions and
+// field splices.
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "rpc/wire.h"
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+#include "tests/fuzz_driver_main.h"
 
 namespace {
 
@@ -81,37 +73,5 @@ std::vector<uint8_t> Mutate(std::vector<uint8_t> v, std::mt19937_64& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  long runs = 200000;
-  uint64_t seed = 1;
-  std::vector<std::string> files;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("-runs=", 0) == 0) {
-      runs = std::strtol(a.c_str() + 6, nullptr, 10);
-    } else if (a.rfind("-seed=", 0) == 0) {
-      seed = std::strtoull(a.c_str() + 6, nullptr, 10);
-    } else if (!a.empty() && a[0] != '-') {
-      files.push_back(a);
-    }
-  }
-  if (!files.empty()) {
-    for (const std::string& f : files) {
-      std::ifstream in(f, std::ios::binary);
-      std::vector<uint8_t> v((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-      LLVMFuzzerTestOneInput(v.data(), v.size());
-    }
-    std::printf("replayed %zu inputs\n", files.size());
-    return 0;
-  }
-  std::mt19937_64 rng(seed);
-  std::vector<std::vector<uint8_t>> seeds = Seeds();
-  for (const auto& s : seeds) LLVMFuzzerTestOneInput(s.data(), s.size());
-  for (long i = 0; i < runs; ++i) {
-    std::vector<uint8_t> v = Mutate(seeds[rng() % seeds.size()], rng);
-    LLVMFuzzerTestOneInput(v.data(), v.size());
-  }
-  std::printf("ran %ld mutated inputs (seed %llu)\n", runs,
-              static_cast<unsigned long long>(seed));
-  return 0;
+  return coverbs::testing::RunFuzzDriver(argc, argv, 200000, Seeds(), Mutate);
 }
