@@ -42,15 +42,14 @@ struct LinkState {
 // Runs end `i`'s OnDown callback on its reactor, if it has one and has not
 // run it yet. The state is held by the posted closure: the link may be
 // destroyed first (its destructor, on the same reactor, clears on_down).
+// Posted under the end's lock: a link with a callback is alive, and so is
+// its reactor (links go before their reactors), until the post is done;
+// Post never runs the closure inline.
 void FireOnDown(const std::shared_ptr<LinkState>& st, int i) {
   LinkEnd& e = st->end[i];
-  Reactor* r;
-  {
-    std::lock_guard<std::mutex> lock(e.mu);
-    if (!e.down || e.local || !e.on_down || e.reactor == nullptr) return;
-    r = e.reactor;
-  }
-  r->Post([st, i] {
+  std::lock_guard<std::mutex> lock(e.mu);
+  if (!e.down || e.local || !e.on_down || e.reactor == nullptr) return;
+  e.reactor->Post([st, i] {
     LinkEnd& e = st->end[i];
     std::function<void(absl::Status)> fn;
     absl::Status why;
