@@ -143,6 +143,7 @@ struct Request {
   std::string client_data;              // immutable once queued
   ProviderQp* client_qp = nullptr;      // alive while kPending (Connect waits)
   Reactor* client_reactor = nullptr;    // immutable once queued
+  std::string client_address;           // the address it dialed (numeric)
   uint16_t client_port = 0;             // a number naming the requester
   std::string answer;                   // mu: private data, or reject reason
   std::shared_ptr<LinkState> link;      // mu: set by Accept
@@ -188,7 +189,9 @@ Reactor* ReactorOf(Connector& c);
 class LoopRequest final : public IncomingRequest {
  public:
   explicit LoopRequest(std::shared_ptr<Request> req) : req_(std::move(req)) {
-    set_peer("loop", req_->client_port);
+    // Both ends are this process: the requester is "at" the address it
+    // dialed, as a loopback peer of the soft provider is.
+    set_peer(req_->client_address, req_->client_port);
   }
 
   Task<absl::StatusOr<std::string>> ReadPrivateData(absl::Time) override {
@@ -344,6 +347,11 @@ class LoopConnector final : public Connector {
                                             QpSetup& setup) override {
     const std::string ep = Endpoint(params.address, params.port);
     const std::string where = absl::StrCat("connect to ", ep);
+    // The address selects nothing (listeners are keyed by port), but a
+    // name that does not resolve fails as it would on the other providers.
+    auto addresses = co_await connector_util::Resolve(
+        params.address, params.port, params.resolve_timeout);
+    if (!addresses.ok()) co_return Annotate(addresses.status(), where);
     std::shared_ptr<Listener> l;
     {
       Ports& p = Ports::Get();
@@ -363,6 +371,8 @@ class LoopConnector final : public Connector {
     req->client_data = *std::move(pd);
     req->client_qp = qp->provider();
     req->client_reactor = reactor_;
+    req->client_address = addresses->empty() ? params.address
+                                             : addresses->front().Numeric();
     req->client_port = g_next_client_port.fetch_add(1);
     {
       std::lock_guard<std::mutex> lock(l->mu);
@@ -406,6 +416,13 @@ class LoopConnector final : public Connector {
 
   absl::StatusOr<std::shared_ptr<PassiveEndpoint>> Listen(
       const std::string& address, uint16_t port, int) override {
+    // Checked as the other connectors check it, though only the port
+    // matters here.
+    auto sa = connector_util::ListenAddress(address, port);
+    if (!sa.ok()) {
+      return Annotate(sa.status(),
+                      absl::StrCat("listen on ", Endpoint(address, port)));
+    }
     Ports& p = Ports::Get();
     std::lock_guard<std::mutex> lock(p.mu);
     if (port == 0) {

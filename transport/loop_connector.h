@@ -1,8 +1,10 @@
 // Internal: the Connector of the loop provider (transport/connector.h).
 //
 // Both ends are in this process: Listen enters the port in a process-wide
-// table (the address is only a name: any address reaches every listener
-// of the port), Connect finds the listener there and queues a request
+// table (the address must parse or resolve, but selects nothing: any
+// address reaches the port's listener), Connect finds the listener there
+// (after resolving the address, so a bad name fails as elsewhere; the
+// request's peer address is the one dialed) and queues a request
 // carrying its QP and private data; Accept creates the passive QP joined
 // to the requester's (loop::CreateQp with `peer`), connects the two
 // (loop::ConnectQps) and answers with its private data. Nothing crosses a
