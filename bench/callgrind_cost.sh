@@ -24,7 +24,12 @@
 # Under valgrind the threads run one at a time; the whole script takes
 # about a minute.
 #
-# Environment (defaults in brackets): N1 [200], N2 [1200], WARMUP [100],
+# PROVIDER=loop runs it on the in-process loop provider instead (no
+# progress thread: its work runs on the client and server threads, in the
+# transport/loop row, outside the framework's sum).
+#
+# Environment (defaults in brackets): PROVIDER [soft], N1 [200], N2 [1200],
+# WARMUP [100],
 # DEPTH [16], SIZE [64], TESTS ["rpc_rate send_bw"], OUT_DIR [a temporary
 # directory; callgrind files, per-run layer tables and callgrind_annotate
 # --inclusive=yes listings are kept there when it is given],
@@ -32,6 +37,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+provider="${PROVIDER:-soft}"
 n1="${N1:-200}"
 n2="${N2:-1200}"
 warmup="${WARMUP:-100}"
@@ -59,7 +65,8 @@ if [ -z "$bin" ]; then
 fi
 
 echo "# $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo '?')," \
-  "$(valgrind --version), size $size B, depth $depth, warm-up $warmup," \
+  "$(valgrind --version), provider $provider, size $size B, depth $depth," \
+  "warm-up $warmup," \
   "N1 $n1, N2 $n2 operations"
 for test in "${tests[@]}"; do
   for n in "$n1" "$n2"; do
@@ -70,7 +77,7 @@ for test in "${tests[@]}"; do
     LD_PRELOAD="$out/libvalgrind_uring_shim.so" timeout -s KILL 600 \
       valgrind --tool=callgrind --separate-threads=yes --fair-sched=yes \
       --callgrind-out-file="$out/$test.$n.out" \
-      "$bin" --loopback --provider=soft --poll=event --threads=1 --connections=1 \
+      "$bin" --loopback --provider="$provider" --poll=event --threads=1 --connections=1 \
       --test="$test" --sizes="$size" --depth="$depth" --iters="$n" --warmup="$warmup" \
       --progress=off >"$out/$test.$n.log" 2>&1 ||
       { echo "callgrind_cost: $test, $n operations failed:" >&2; cat "$out/$test.$n.log" >&2; exit 1; }

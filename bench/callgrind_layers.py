@@ -12,7 +12,8 @@ Attribution of one function's self cost (every instruction it executes,
 including code the compiler inlined into it from other headers):
   - by the source file of the function (callgrind's fl=): a workspace path
     (Bazel's /proc/self/cwd/...) under transport/soft/, transport/verbs/,
-    core/, transport/, cm/, rpc/, bench/ or examples/ names the layer;
+    transport/loop/, core/, transport/, cm/, rpc/, bench/ or examples/ names
+    the layer (the providers are not the framework);
   - a function from a system header compiled into the binary (a std:: or
     absl:: template instantiated by coverbs, e.g. std::vector<coverbs::cm::X>
     or an absl::AnyInvocable invoker of a coverbs lambda) is attributed to
@@ -33,6 +34,7 @@ import sys
 LAYER_PATHS = [
     ("transport/soft", "transport/soft/"),
     ("transport/verbs", "transport/verbs/"),
+    ("transport/loop", "transport/loop/"),
     ("core", "core/"),
     ("transport", "transport/"),
     ("cm", "cm/"),
@@ -43,6 +45,7 @@ LAYER_PATHS = [
 NAMESPACES = [
     ("transport/soft", "coverbs::transport::soft::"),
     ("transport/verbs", "coverbs::transport::verbs::"),
+    ("transport/loop", "coverbs::transport::loop::"),
     ("transport", "coverbs::transport::"),
     ("cm", "coverbs::cm::"),
     ("rpc", "coverbs::rpc::"),

@@ -61,7 +61,8 @@ ABSL_FLAG(int, threads, 1,
 ABSL_FLAG(std::string, poll, "event",
           "How reactors wait for completions: event, busy or adaptive.");
 ABSL_FLAG(std::string, provider, "auto",
-          "verbs, soft, or auto (verbs if a device exists).");
+          "verbs, soft, loop (both sides in this process: --loopback), or "
+          "auto (verbs if a device exists).");
 ABSL_FLAG(std::string, device, "",
           "verbs device (e.g. rxe0); empty = first active.");
 ABSL_FLAG(

@@ -7,7 +7,9 @@
 //          channel; address and route resolution, connect, listen, accept
 //          and reject with private data, DISCONNECTED / TIMEWAIT handling;
 //   soft:  a TCP connection with setup frames carrying the private data
-//          (tcp_connector.cc), then the socket is handed to the soft QP.
+//          (tcp_connector.cc), then the socket is handed to the soft QP;
+//   loop:  a process-wide table of listening ports (loop_connector.cc);
+//          the two in-process QPs are joined directly.
 // OpenConnector() picks the implementation from the Device at run time; the
 // layer above (cm) never names a provider.
 //

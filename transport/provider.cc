@@ -12,6 +12,8 @@ const char* TransportKindName(TransportKind k) {
       return "iWARP";
     case TransportKind::kSoft:
       return "soft";
+    case TransportKind::kLoop:
+      return "loop";
   }
   return "?";
 }

@@ -1,8 +1,10 @@
 // The provider interface: what an RDMA device offers to coverbs.
 //
-// Two implementations exist, chosen at run time (transport/select.h):
+// Three implementations exist, chosen at run time (transport/select.h):
 //  - verbs (transport/verbs): a thin pass-through to libibverbs/librdmacm;
-//  - soft  (transport/soft): a software RNIC with RC semantics over TCP.
+//  - soft  (transport/soft): a software RNIC with RC semantics over TCP;
+//  - loop  (transport/loop): both ends in one process, every work request
+//    executed at once by a memcpy (no wire): the framework's own ceiling.
 //
 // The interface deliberately mirrors ibverbs and uses its plain structs
 // (ibv_send_wr, ibv_recv_wr, ibv_sge, ibv_wc, IBV_* enums) so the verbs
@@ -44,6 +46,7 @@ enum class TransportKind {
   kRoCE,        // IB transport over Ethernet (rxe, mlx5 RoCE)
   kIWarp,       // iWARP (siw, ...): no immediate data, active side sends first
   kSoft,        // coverbs' software RNIC over TCP
+  kLoop,        // in-process, no wire (transport/loop)
 };
 const char* TransportKindName(TransportKind k);
 // Name of a work request opcode ("SEND", "RDMA_WRITE", ...).
@@ -56,8 +59,8 @@ ibv_wc_opcode WcOpcode(ibv_wr_opcode op);
 
 // What the device can do. Upper layers check these instead of assuming IB.
 struct DeviceCaps {
-  std::string provider;      // "verbs" or "soft"
-  std::string device_name;   // e.g. "rxe0", "siw0", "soft"
+  std::string provider;      // "verbs", "soft" or "loop"
+  std::string device_name;   // e.g. "rxe0", "siw0", "soft0", "loop"
   TransportKind transport = TransportKind::kSoft;
   uint8_t port = 1;
   int gid_index = -1;        // RoCE: the GID used; -1 when not applicable
@@ -254,9 +257,10 @@ enum class ProviderKind {
   kAuto,     // verbs if ibv_get_device_list finds a device, else soft
   kVerbs,    // rdma-core: a real NIC, Soft-RoCE (rxe) or SoftiWARP (siw)
   kSoft,     // the software RNIC over TCP
+  kLoop,     // in-process, both ends in this process (never chosen by kAuto)
 };
-// "auto", "verbs" or "soft", as flags and COVERBS_PROVIDER spell them
-// (InvalidArgument naming the three otherwise); "" is kDefault.
+// "auto", "verbs", "soft" or "loop", as flags and COVERBS_PROVIDER spell
+// them (InvalidArgument naming the four otherwise); "" is kDefault.
 absl::StatusOr<ProviderKind> ParseProviderKind(std::string_view name);
 std::string_view ProviderKindName(ProviderKind kind);
 

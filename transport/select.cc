@@ -1,4 +1,5 @@
-// Provider selection: auto | verbs | soft, from options or COVERBS_PROVIDER.
+// Provider selection: auto | verbs | soft | loop, from options or
+// COVERBS_PROVIDER.
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -7,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/log.h"
+#include "transport/loop/loop_provider.h"
 #include "transport/provider.h"
 #include "transport/soft/soft_provider.h"
 #include "transport/verbs/verbs_provider.h"
@@ -18,8 +20,9 @@ absl::StatusOr<ProviderKind> ParseProviderKind(std::string_view name) {
   if (name == "auto") return ProviderKind::kAuto;
   if (name == "verbs") return ProviderKind::kVerbs;
   if (name == "soft") return ProviderKind::kSoft;
+  if (name == "loop") return ProviderKind::kLoop;
   return absl::InvalidArgumentError(absl::StrFormat(
-      "unknown provider '%s' (expected auto, verbs or soft)", name));
+      "unknown provider '%s' (expected auto, verbs, soft or loop)", name));
 }
 
 std::string_view ProviderKindName(ProviderKind kind) {
@@ -32,6 +35,8 @@ std::string_view ProviderKindName(ProviderKind kind) {
       return "verbs";
     case ProviderKind::kSoft:
       return "soft";
+    case ProviderKind::kLoop:
+      return "loop";
   }
   return "?";
 }
@@ -56,6 +61,9 @@ absl::StatusOr<std::unique_ptr<Provider>> OpenProvider(
   absl::StatusOr<std::unique_ptr<Provider>> p;
   if (o.kind == ProviderKind::kSoft) {
     p = CreateSoftProvider();
+    why = "requested";
+  } else if (o.kind == ProviderKind::kLoop) {
+    p = CreateLoopProvider();
     why = "requested";
   } else if (o.kind == ProviderKind::kVerbs) {
     p = OpenVerbsProvider(o);

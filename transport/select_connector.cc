@@ -2,6 +2,7 @@
 // time (as select.cc chooses the provider itself).
 #include "absl/strings/str_cat.h"
 #include "transport/connector.h"
+#include "transport/loop_connector.h"
 #include "transport/rdma_connector.h"
 #include "transport/tcp_connector.h"
 #include "transport/verbs/verbs_provider.h"
@@ -14,6 +15,7 @@ absl::StatusOr<std::unique_ptr<Connector>> OpenConnector(Device& device,
     return CreateRdmaConnector(device, reactor);
   }
   if (device.caps().provider == "soft") return CreateTcpConnector();
+  if (device.caps().provider == "loop") return CreateLoopConnector(reactor);
   return absl::UnimplementedError(
       absl::StrCat("no connection establishment for provider '",
                    device.caps().provider, "' (device ", device.name(), ")"));

@@ -324,9 +324,11 @@ class Attacker {
     const std::string offline =
         absl::StrFormat("%zu guesses from %zu seen key(s): %zu name a key of the victim",
                         guesses.size(), seen_.size(), hits.size());
-    if (w_.device().caps().transport == transport::TransportKind::kSoft) {
-      // Soft's keys come from a keyed PRF under a per-process secret: none
-      // follows from others (cm/README.md, "Security model").
+    if (w_.device().caps().transport == transport::TransportKind::kSoft ||
+        w_.device().caps().transport == transport::TransportKind::kLoop) {
+      // Soft's keys come from a keyed PRF under a per-process secret, loop's
+      // from a seeded random generator: none follows from others
+      // (cm/README.md, "Security model").
       Report(hits.empty(), "(b) offline", offline);
     } else {
       // A verbs key is the window's index (the device's choice, near the

@@ -39,7 +39,8 @@ inline std::vector<std::string> Providers() {
   if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
     return {env};
   }
-  std::vector<std::string> v = {"soft"};
+  // loop runs everywhere: it needs nothing but this process.
+  std::vector<std::string> v = {"soft", "loop"};
   if (VerbsDevicesPresent()) v.push_back("verbs");
   return v;
 }
@@ -88,8 +89,9 @@ struct ErrorModel {
   ibv_wc_status short_recv_responder = IBV_WC_LOC_LEN_ERR;
   ibv_wc_status short_recv_requester = IBV_WC_REM_INV_REQ_ERR;
   // Whether a fault already reported through a work completion also raises
-  // an asynchronous QP event (soft: IBV_EVENT_QP_FATAL on both QPs). The IB
-  // spec does not require it and rxe raises none.
+  // an asynchronous QP event (soft and loop: IBV_EVENT_QP_FATAL on the
+  // requester, an access or request error on the responder). The IB spec
+  // does not require it and rxe raises none.
   bool wc_fault_raises_async_event = false;
   // Whether an access through a memory window is checked against the
   // window's range. rxe (Linux 6.1) checks it against the range of the
@@ -100,7 +102,8 @@ struct ErrorModel {
 
 inline ErrorModel ModelFor(const DeviceCaps& c) {
   ErrorModel m;
-  m.wc_fault_raises_async_event = c.transport == TransportKind::kSoft;
+  m.wc_fault_raises_async_event = c.transport == TransportKind::kSoft ||
+                                  c.transport == TransportKind::kLoop;
   auto starts = [&c](const char* p) { return c.device_name.rfind(p, 0) == 0; };
   if (c.transport == TransportKind::kIWarp) {
     m.requester_sees_remote_errors = false;

@@ -2,9 +2,9 @@
 // over a connected QP pair, through the public awaitable API.
 //
 // Which providers: COVERBS_PROVIDER if set (the VM targets set "verbs"),
-// else "soft" plus "verbs" when a device is present. What a device cannot do
-// (immediate data on iWARP, atomics) is skipped with the reason, by querying
-// its capabilities -- never silently passed.
+// else "soft" and "loop", plus "verbs" when a device is present. What a
+// device cannot do (immediate data on iWARP, atomics) is skipped with the
+// reason, by querying its capabilities -- never silently passed.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -740,7 +740,7 @@ TEST(RemoteRegionTest, EncodeDecode) {
 
 TEST(ProviderKindTest, NamesParseAndUnknownOnesAreRefused) {
   for (ProviderKind k : {ProviderKind::kAuto, ProviderKind::kVerbs,
-                         ProviderKind::kSoft}) {
+                         ProviderKind::kSoft, ProviderKind::kLoop}) {
     auto parsed = ParseProviderKind(ProviderKindName(k));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, k);
@@ -748,7 +748,7 @@ TEST(ProviderKindTest, NamesParseAndUnknownOnesAreRefused) {
   EXPECT_EQ(*ParseProviderKind(""), ProviderKind::kDefault);
   auto bad = ParseProviderKind("rxe");
   EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
-  EXPECT_NE(bad.status().message().find("auto, verbs or soft"),
+  EXPECT_NE(bad.status().message().find("auto, verbs, soft or loop"),
             std::string::npos);
   // The environment's spelling is checked the same way, and says so.
   setenv("COVERBS_PROVIDER", "sfot", 1);
