@@ -5,12 +5,15 @@
 // else "soft" and "loop", plus "verbs" when a device is present. What a
 // device cannot do (immediate data on iWARP, atomics) is skipped with the
 // reason, by querying its capabilities -- never silently passed.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "tests/transport/conformance_fixture.h"
 
 namespace coverbs::transport {
@@ -118,6 +121,41 @@ TEST_P(ConformanceTest, RdmaWrite) {
   EXPECT_EQ(w->opcode, IBV_WC_RDMA_WRITE);
   // A write completion means the data was placed at the target.
   EXPECT_TRUE(target.Matches(21, 100, 5000));
+}
+
+// A small region that crosses a page boundary, registered on its own (as
+// a rendezvous registers the caller's small header part): a WRITE and a
+// SEND from it carry its bytes from both pages.
+TEST_P(ConformanceTest, SmallRegionAcrossAPageBoundary) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<std::byte> backing(3 * page);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(backing.data());
+  std::byte* boundary =
+      reinterpret_cast<std::byte*>((start + page) / page * page);
+  for (size_t len : {size_t{32}, size_t{200}}) {
+    std::byte* p = boundary - len / 2;
+    for (size_t i = 0; i < len; ++i) p[i] = static_cast<std::byte>(i + 1);
+    auto mr = pd_a_->Register(p, len, kRw);
+    ASSERT_TRUE(mr.ok()) << mr.status();
+    Mem target = Reg(pd_b_.get(), 4096);
+    auto w = Run(Await(a_->Write(mr->Local(0, len), target.Remote(64))));
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(std::memcmp(target.bytes.data() + 64, p, len), 0)
+        << len << " bytes written across a page boundary arrived as "
+        << absl::BytesToHexString(absl::string_view(
+               reinterpret_cast<const char*>(target.bytes.data() + 64), len));
+    Mem in = Reg(pd_b_.get(), 4096);
+    absl::StatusOr<WorkCompletion> recv;
+    SpawnRecv(b_.get(), in.Local(), &recv);
+    auto sent = Run(Await(a_->Send(mr->Local(0, len))));
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    WaitFor(&recv);
+    ASSERT_TRUE(recv.ok()) << recv.status();
+    EXPECT_EQ(std::memcmp(in.bytes.data(), p, len), 0)
+        << len << " bytes sent across a page boundary arrived as "
+        << absl::BytesToHexString(absl::string_view(
+               reinterpret_cast<const char*>(in.bytes.data()), len));
+  }
 }
 
 TEST_P(ConformanceTest, RdmaWriteWithImmediateConsumesReceive) {
