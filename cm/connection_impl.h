@@ -296,8 +296,14 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // holds the registrations made for them), the RTS together with the
   // credit its completion will need, the CTS, the WRITE(s) and DONE. Each
   // step gives that reserved credit back (Unreserve) when it fails.
+  // Parts of at most kCopiedPartMax bytes are copied into `buf` (the RTS's
+  // send buffer, from kStagingOffset on: past the RTS header, and kept
+  // until the WRITEs completed) instead of being registered.
+  static constexpr size_t kCopiedPartMax = 256;
+  static constexpr size_t kStagingOffset = 64;
   absl::Status PayloadSges(std::span<const std::span<const std::byte>> parts,
                            const LocalBuffer* registered,
+                           transport::BufferPool::Buffer& buf,
                            std::vector<MemoryRegion>& regs,
                            std::vector<LocalBuffer>& sges, uint64_t& total);
   Task<absl::Status> PostRts(PendingRts& pr, uint64_t total,

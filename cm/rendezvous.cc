@@ -26,7 +26,7 @@ Task<absl::Status> ConnectionImpl::SendLarge(
   std::vector<MemoryRegion> regs;  // until the WRITEs completed
   std::vector<LocalBuffer> sges;
   uint64_t total = 0;
-  absl::Status s = PayloadSges(parts, registered, regs, sges, total);
+  absl::Status s = PayloadSges(parts, registered, buf, regs, sges, total);
   if (!s.ok()) {
     AbandonTurn();
     co_return s;
@@ -48,18 +48,34 @@ Task<absl::Status> ConnectionImpl::SendLarge(
 
 absl::Status ConnectionImpl::PayloadSges(
     std::span<const std::span<const std::byte>> parts,
-    const LocalBuffer* registered, std::vector<MemoryRegion>& regs,
-    std::vector<LocalBuffer>& sges, uint64_t& total) {
+    const LocalBuffer* registered, transport::BufferPool::Buffer& buf,
+    std::vector<MemoryRegion>& regs, std::vector<LocalBuffer>& sges,
+    uint64_t& total) {
   if (registered != nullptr) {
     sges.push_back(*registered);
     total = registered->length;
     return absl::OkStatus();
   }
-  // The payload goes straight from the caller's memory: registered for this
+  // Small parts (an rpc header) are copied into the RTS's send buffer,
+  // behind the RTS itself (which the WRITEs follow): registering 32 bytes
+  // costs two system calls and a pinned page per message, and leaves the
+  // device reading a scrap of the caller's memory (a coroutine frame),
+  // wherever it lies, for the whole transfer.
+  const LocalBuffer staging = buf.Local();
+  size_t staged = kStagingOffset;
+  // The rest goes straight from the caller's memory: registered for this
   // Send only (a cache keyed by address could outlive a free/reuse of the
   // memory and send stale pages).
   for (auto p : parts) {
     if (p.empty()) continue;
+    if (p.size() <= kCopiedPartMax && staged + p.size() <= staging.length) {
+      std::memcpy(buf.data() + staged, p.data(), p.size());
+      sges.push_back(LocalBuffer{buf.data() + staged,
+                                 static_cast<uint32_t>(p.size()), staging.lkey});
+      staged += p.size();
+      total += p.size();
+      continue;
+    }
     auto mr = ctx_.pd().Register(const_cast<std::byte*>(p.data()), p.size(), 0);
     if (!mr.ok()) return OpError("send (registering the payload)", mr.status());
     sges.push_back(mr->Local());
