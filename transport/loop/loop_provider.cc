@@ -293,7 +293,7 @@ absl::Status ConnectQps(ProviderQp* active, ProviderQp* passive) {
 absl::StatusOr<std::unique_ptr<Provider>> CreateLoopProvider() {
   auto ctx = std::make_shared<loop::Context>();
   absl::StatusOr<std::shared_ptr<loop::AsyncQueue>> q =
-      loop::AsyncQueue::Create();
+      loop::AsyncQueue::Create("loop");
   if (!q.ok()) return q.status();
   ctx->async = *std::move(q);
   return std::make_unique<loop::LoopProvider>(std::move(ctx));

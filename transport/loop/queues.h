@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "transport/async_queue.h"
 #include "transport/provider.h"
 
 namespace coverbs::transport::loop {
@@ -29,22 +30,7 @@ inline constexpr uint32_t kMaxSge = 16;
 
 class QpCore;
 
-// Asynchronous events of one provider instance. fd() is a non-blocking
-// semaphore eventfd: readable while events are pending.
-class AsyncQueue {
- public:
-  static absl::StatusOr<std::shared_ptr<AsyncQueue>> Create();
-  ~AsyncQueue();
-  int fd() const { return fd_; }
-  void Push(AsyncEvent ev);
-  absl::StatusOr<AsyncEvent> Pop();
-
- private:
-  explicit AsyncQueue(int fd) : fd_(fd) {}
-  const int fd_;
-  std::mutex mu_;
-  std::deque<AsyncEvent> events_;
-};
+using transport::AsyncQueue;
 
 // A completion queue with verbs' completion-channel mechanics: fd() is an
 // eventfd that a Push into an armed CQ (RequestNotify, one-shot) makes

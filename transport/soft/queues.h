@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "transport/async_queue.h"
 #include "transport/provider.h"
 #include "transport/soft/mr_table.h"
 
@@ -27,22 +28,7 @@ inline constexpr uint32_t kMaxSge = 16;
 
 class QpCore;
 
-// Asynchronous events of one provider instance. fd() is a non-blocking
-// semaphore eventfd: readable while events are pending.
-class AsyncQueue {
- public:
-  static absl::StatusOr<std::shared_ptr<AsyncQueue>> Create();
-  ~AsyncQueue();
-  int fd() const { return fd_; }
-  void Push(AsyncEvent ev);
-  absl::StatusOr<AsyncEvent> Pop();
-
- private:
-  explicit AsyncQueue(int fd) : fd_(fd) {}
-  const int fd_;
-  std::mutex mu_;
-  std::deque<AsyncEvent> events_;
-};
+using transport::AsyncQueue;
 
 // A completion queue with verbs' completion-channel mechanics. Push is called
 // by whoever runs a QP's receive (the progress thread, or the reactor that

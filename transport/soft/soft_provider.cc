@@ -341,7 +341,7 @@ absl::Status LoopbackTcpPair(UniqueFd* a, UniqueFd* b) {
 class SoftProvider : public Provider {
  public:
   SoftProvider() : ctx_(std::make_shared<Context>()) {
-    absl::StatusOr<std::shared_ptr<AsyncQueue>> q = AsyncQueue::Create();
+    absl::StatusOr<std::shared_ptr<AsyncQueue>> q = AsyncQueue::Create("soft");
     if (q.ok()) ctx_->async = *std::move(q);
     // The progress thread's descriptors, made now rather than by the first
     // QP (Engine::HoldReserve).
