@@ -105,7 +105,8 @@ struct ConnectionOptions {
   // their CTS; its further Sends wait in their turn, as for a credit). A
   // peer with more deferred requests than that breaks the protocol: the
   // connection ends ("protocol violation by the peer: rendezvous budget:
-  // ..."). When nothing is held one message is always granted, so every
+  // ..."). With nothing held ahead of it a request is always granted
+  // (messages that arrived after it wait for it and are not weighed), so every
   // message up to max_message_size goes whatever the budget. Default
   // 256 MiB: four messages of the default max_message_size, as many as a
   // sender's 4 requests ask for, so such a sender's pipeline stays full

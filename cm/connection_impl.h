@@ -334,6 +334,9 @@ class ConnectionImpl : public std::enable_shared_from_this<ConnectionImpl> {
   // ready_.popped() passed them -- so Recv's path has no step for it.
   void SettleReady();
   uint64_t RendezvousHeld() const;  // rdv_held_ less what Recv took
+  // What entries of incoming_ from the oldest deferred request on hold
+  // (0 with none deferred): not weighed against the budgets.
+  uint64_t HeldBehindDeferred() const;
   // What a rendezvous of `size` bytes pins, and counts against the budget:
   // its buffer's block (a power of two, at least 4 KiB).
   static uint64_t Pinned(uint32_t size) {

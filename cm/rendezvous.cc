@@ -274,18 +274,44 @@ void ConnectionImpl::SettleReady() {
   if (settled > 0) HoldRendezvous(-static_cast<int64_t>(settled));
 }
 
+// What waits behind a deferred request -- messages that arrived after it:
+// landed ones, which the sender writes into the grants it holds meanwhile
+// -- cannot be taken by Recv before that request is granted and done. It
+// is not counted when a request is weighed against the budgets: the
+// request would otherwise wait for ever for memory that only its own grant
+// can free (and with the Worker's budget, other connections' requests with
+// it). What it can add is bounded apart: landing grants are renewed only
+// within the budgets (TopUpGrants).
+uint64_t ConnectionImpl::HeldBehindDeferred() const {
+  if (rdv_deferred_ == 0) return 0;
+  uint64_t behind = 0;
+  bool after = false;
+  for (const Incoming& in : incoming_) {
+    after = after || in.deferred;
+    if (!after) continue;
+    behind += in.landed_bytes;
+    if (in.large != nullptr) behind += Pinned(in.size);
+  }
+  return behind;
+}
+
 bool ConnectionImpl::FitsWorkerBudget(uint64_t pinned) {
   if (detached_) return true;
   WorkerShared& w = SharedOf(ctx_);
   const uint64_t budget = ctx_.options().rendezvous_budget;
-  auto fits = [&] {
-    return budget == 0 || w.rdv_held == 0 || w.rdv_held + pinned <= budget;
+  auto fits = [&](uint64_t held) {
+    return budget == 0 || held == 0 || held + pinned <= budget;
   };
-  if (fits()) return true;
+  if (fits(w.rdv_held)) return true;
   // Other connections' applications may have taken messages since their
-  // connection last looked (SettleReady is lazy).
-  for (ConnectionImpl* c : w.connections) c->SettleReady();
-  return fits();
+  // connection last looked (SettleReady is lazy); what waits behind
+  // deferred requests does not count (HeldBehindDeferred).
+  uint64_t behind = 0;
+  for (ConnectionImpl* c : w.connections) {
+    c->SettleReady();
+    behind += c->HeldBehindDeferred();
+  }
+  return fits(w.rdv_held - behind);
 }
 
 uint64_t ConnectionImpl::RendezvousHeld() const {
@@ -301,10 +327,12 @@ uint64_t ConnectionImpl::RendezvousHeld() const {
 bool ConnectionImpl::FitsBudget(uint32_t size) {
   SettleReady();
   rdv_worker_limited_ = false;
-  // With nothing held, one message goes whatever the budget: a message up
-  // to max_message_size is never refused for it.
+  // With nothing held ahead of it, one message goes whatever the budget: a
+  // message up to max_message_size is never refused for it. (The oldest
+  // deferred request is the one weighed: GrantDeferred goes oldest first.)
   const uint64_t pinned = Pinned(size);
-  if (rdv_held_ != 0 && rdv_held_ + pinned > options_.rendezvous_budget) {
+  const uint64_t held = rdv_held_ - HeldBehindDeferred();
+  if (held != 0 && held + pinned > options_.rendezvous_budget) {
     return false;
   }
   rdv_worker_limited_ = !FitsWorkerBudget(pinned);
