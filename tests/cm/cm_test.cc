@@ -548,7 +548,8 @@ TEST_P(CmTest, ASendCancelledBeforeItsCtsAbandonsTheRendezvous) {
   if (!release.try_wait()) release.count_down();
 }
 
-INSTANTIATE_TEST_SUITE_P(Providers, CmTest, ::testing::ValuesIn(Providers()),
+INSTANTIATE_TEST_SUITE_P(Providers, CmTest,
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -416,7 +416,7 @@ TEST_P(DirectTest, CancelledRecvTakesNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, DirectTest,
-                         ::testing::ValuesIn(Providers()),
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

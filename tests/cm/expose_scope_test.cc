@@ -389,7 +389,7 @@ TEST_P(ExposeScopeTest, WithoutWindowsExposeSaysWhy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, ExposeScopeTest,
-                         ::testing::ValuesIn(Providers()),
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

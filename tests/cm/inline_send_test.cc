@@ -150,7 +150,7 @@ TEST_P(InlineSendTest, ASmallSendAfterTheEndFailsAtOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, InlineSendTest,
-                         ::testing::ValuesIn(Providers()),
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

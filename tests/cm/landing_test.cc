@@ -695,7 +695,7 @@ TEST_P(LandingTest, ClosedConnectionsGiveTheirMemoryBack) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, LandingTest,
-                         ::testing::ValuesIn(Providers()),
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

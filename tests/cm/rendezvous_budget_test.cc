@@ -454,7 +454,7 @@ TEST_P(RendezvousBudgetTest, RtsBeforeThePassiveSideStartedIsAnswered) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, RendezvousBudgetTest,
-                         ::testing::ValuesIn(Providers()));
+                         ::testing::ValuesIn(InProcessProviders()));
 
 }  // namespace
 }  // namespace coverbs::cm

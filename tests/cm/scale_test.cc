@@ -156,7 +156,7 @@ TEST_P(ScaleTest, ThousandConnectionsOnOneWorkerEachSide) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, ScaleTest,
-                         ::testing::ValuesIn(Providers()),
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -347,7 +347,8 @@ TEST_P(CmTest, SrqNeedsAWorkerWithOne) {
   }(this));
 }
 
-INSTANTIATE_TEST_SUITE_P(Providers, CmTest, ::testing::ValuesIn(Providers()),
+INSTANTIATE_TEST_SUITE_P(Providers, CmTest,
+                         ::testing::ValuesIn(InProcessProviders()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

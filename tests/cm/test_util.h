@@ -35,6 +35,20 @@ inline std::vector<std::string> Providers() {
   return v;
 }
 
+// Providers() plus the in-process loop provider, for suites whose peers
+// all live in the test's process: loop completes every work request at
+// once, in the posting thread, an order of events no wire makes (it found
+// a rendezvous budget that waited for ever). With COVERBS_PROVIDER set,
+// that one only.
+inline std::vector<std::string> InProcessProviders() {
+  std::vector<std::string> v = Providers();
+  const char* env = std::getenv("COVERBS_PROVIDER");
+  if (env == nullptr || *env == '\0' || std::string(env) == "auto") {
+    v.insert(v.begin() + 1, "loop");
+  }
+  return v;
+}
+
 }  // namespace coverbs::cm
 
 #endif  // COVERBS_TESTS_CM_TEST_UTIL_H_

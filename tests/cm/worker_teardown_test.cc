@@ -144,7 +144,7 @@ TEST_P(WorkerTeardownTest, DestroyedInsideItsLoop) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, WorkerTeardownTest,
-                         ::testing::ValuesIn(Providers()));
+                         ::testing::ValuesIn(InProcessProviders()));
 
 }  // namespace
 }  // namespace coverbs::cm
