@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -458,15 +459,17 @@ TEST_P(LandingTest, AGrantsRkeyDiesWithItsMessage) {
       // receiver's TERMINATE for the dead rkey ends the connection after.
       EXPECT_TRUE(t->iwarp()) << "a WRITE with a dead rkey completed";
     } else {
-      EXPECT_NE(std::string(w.message()).find("REM_ACCESS_ERR"),
-                std::string::npos)
-          << w;
+      // On iWARP the receiver's TERMINATE can also arrive while the WRITE
+      // is still being handed to TCP (a loaded host: seen on siw in the VM
+      // at load 6): siw then ends the WQE as a local QP operation error.
+      const bool aborted =
+          t->iwarp() && absl::StrContains(w.message(), "IBV_WC_LOC_QP_OP_ERR");
+      const char* want = aborted ? "IBV_WC_LOC_QP_OP_ERR" : "REM_ACCESS_ERR";
+      EXPECT_TRUE(absl::StrContains(w.message(), want)) << w;
       // The WRITE's own completion fails the connection at once, with
       // its reason (not later, when a flushed receive reports it).
       EXPECT_FALSE(p->client->status().ok());
-      EXPECT_NE(std::string(p->client->status().message())
-                    .find("REM_ACCESS_ERR"),
-                std::string::npos)
+      EXPECT_TRUE(absl::StrContains(p->client->status().message(), want))
           << p->client->status();
     }
     // iWARP: the TERMINATE that ends the connection comes later; wait for
