@@ -346,7 +346,9 @@ class Attacker {
       const std::string attack = absl::StrFormat(
           "(b) WRITE at the victim's %s with a guessed key that is its key, 0x%x (%s)",
           region ? "region" : "landing grant", g.key, g.how);
-      CO_RETURN_IF_ERROR(co_await FreshMustFail(true, aim, attack));
+      CO_RETURN_IF_ERROR(DocumentedGrantWrite(true, aim)
+                             ? co_await GrantWriteCompletes(aim, attack)
+                             : co_await FreshMustFail(true, aim, attack));
     }
     std::vector<std::pair<bool, RemoteRegion>> aims;
     if (leak_.token) {
@@ -368,7 +370,9 @@ class Attacker {
           absl::StrFormat("(b) %s at the victim's %s with guessed key 0x%x (%s)",
                           write ? "WRITE" : "READ", grant ? "landing grant" : "region",
                           aim.rkey, guesses[i].how);
-      CO_RETURN_IF_ERROR(co_await FreshMustFail(write, aim, attack));
+      CO_RETURN_IF_ERROR(DocumentedGrantWrite(write, aim)
+                             ? co_await GrantWriteCompletes(aim, attack)
+                             : co_await FreshMustFail(write, aim, attack));
     }
     co_return absl::OkStatus();
   }
@@ -380,10 +384,27 @@ class Attacker {
     const RemoteRegion aim{g.addr, 4096, g.rkey};
     const std::string attack = "(d) WRITE into the victim's landing grant";
     if (windows_) co_return co_await FreshMustFail(true, aim, attack);
-    // Without windows a grant is a registration with remote write, valid
-    // from every QP of the PD until its message arrives (cm/README.md,
-    // "Security model": the documented limit). The victim's next message
-    // overwrites what this put there; the victim checks it.
+    co_return co_await GrantWriteCompletes(aim, attack);
+  }
+
+  // Whether a WRITE at `aim` reaches a victim's landing grant by its own
+  // key on a device without windows: the documented limit, which
+  // GrantWriteCompletes asserts instead of a refusal.
+  bool DocumentedGrantWrite(bool write, const RemoteRegion& aim) const {
+    if (windows_ || !write) return false;
+    for (const auto& g : leak_.grants) {
+      if (aim.rkey == g.rkey) return true;
+    }
+    return false;
+  }
+
+  // Without windows a grant is a registration with remote write, valid
+  // from every QP of the PD until its message arrives (cm/README.md,
+  // "Security model": the documented limit), so a WRITE with its key --
+  // known (d), or guessed (b): siw's keys are an index and a fixed byte --
+  // completes. The victim's next message overwrites what this put there;
+  // the victim checks it.
+  Task<absl::Status> GrantWriteCompletes(RemoteRegion aim, std::string attack) {
     CO_ASSIGN_OR_RETURN(auto client, co_await Served());
     std::vector<std::byte> junk(aim.length, std::byte{0x99});
     ++attacks_;
