@@ -1,6 +1,8 @@
 #include "cm/large_memory_cache.h"
 
+#include <algorithm>
 #include <bit>
+#include <chrono>
 #include <utility>
 
 #include "cm/page_memory.h"
@@ -15,10 +17,13 @@ void Free(LargeMemoryCache::Block& b) {
 
 }  // namespace
 
-LargeMemoryCache::LargeMemoryCache(size_t max_idle_bytes,
-                                   bool keep_registrations)
+LargeMemoryCache::LargeMemoryCache(
+    size_t max_idle_bytes, bool keep_registrations,
+    std::chrono::steady_clock::duration working_set_window)
     : max_idle_bytes_(max_idle_bytes),
-      keep_registrations_(keep_registrations) {}
+      keep_registrations_(keep_registrations),
+      window_(working_set_window),
+      window_start_(std::chrono::steady_clock::now()) {}
 
 LargeMemoryCache::~LargeMemoryCache() {
   for (auto& list : free_) {
@@ -41,6 +46,7 @@ LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
       free_[c].pop_back();
       idle_bytes_ -= capacity;
       in_use_bytes_ += capacity;
+      peak_now_ = std::max(peak_now_, in_use_bytes_);
       return b;
     }
   }
@@ -50,15 +56,26 @@ LargeMemoryCache::Block LargeMemoryCache::Get(size_t size) {
   b.capacity = capacity;
   std::lock_guard<std::mutex> l(mu_);
   in_use_bytes_ += capacity;
+  peak_now_ = std::max(peak_now_, in_use_bytes_);
   return b;
 }
 
 void LargeMemoryCache::Put(Block b) {
   if (b.mem == nullptr) return;
   if (!keep_registrations_) b.mr.Deregister();
+  // The working set: the most in use at once in this window and the one
+  // before it (a clock read per Put; Put is once per large message).
+  const auto now = std::chrono::steady_clock::now();
   std::vector<Block> drop;
   {
     std::lock_guard<std::mutex> l(mu_);
+    if (now - window_start_ >= window_) {
+      // (This block was in use until now: counted in the new window.)
+      peak_before_ =
+          now - window_start_ < 2 * window_ ? peak_now_ : 0;
+      peak_now_ = in_use_bytes_;
+      window_start_ = now;
+    }
     in_use_bytes_ -= b.capacity;
     if (idle_bytes_ + b.capacity <= max_idle_bytes_) {
       idle_bytes_ += b.capacity;
@@ -66,10 +83,19 @@ void LargeMemoryCache::Put(Block b) {
     } else {
       drop.push_back(std::move(b));
     }
-    // Idle beyond the working set: all but one block of each class goes.
-    for (int c = kClasses - 1; c >= 0 && idle_bytes_ > in_use_bytes_; --c) {
+    // Idle and in use together within the working set, or idle within
+    // what is in use when that is more; nothing in use: one block of each
+    // class stays.
+    const size_t working_set = std::max(peak_now_, peak_before_);
+    const size_t keep =
+        in_use_bytes_ == 0
+            ? 0
+            : std::max(in_use_bytes_, working_set > in_use_bytes_
+                                          ? working_set - in_use_bytes_
+                                          : 0);
+    for (int c = kClasses - 1; c >= 0 && idle_bytes_ > keep; --c) {
       const size_t capacity = size_t{1} << (c + kMinShift);
-      while (free_[c].size() > 1 && idle_bytes_ > in_use_bytes_) {
+      while (free_[c].size() > 1 && idle_bytes_ > keep) {
         drop.push_back(std::move(free_[c].back()));
         free_[c].pop_back();
         idle_bytes_ -= capacity;

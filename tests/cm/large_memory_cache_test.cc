@@ -2,6 +2,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -89,6 +90,34 @@ TEST(LargeMemoryCacheTest, IdleMemoryFollowsTheWorkingSet) {
   LargeMemoryCache::Block again = cache.Get(65536);
   EXPECT_EQ(MappedPageBytes() - mapped, 65536u + 8192);
   cache.Put(std::move(again));
+}
+
+// The idle blocks kept follow the most in use at once over the last
+// second, not the bytes in use at the instant of a Put: a client with 16
+// calls of 1 MiB in flight holds 0 to 4 response blocks from moment to
+// moment, and trimming to the instant mapped fresh pages for ~1 transfer
+// in 5. When nothing is in use, one block per class stays, as before.
+TEST(LargeMemoryCacheTest, ADipInUseKeepsTheWorkingSet) {
+  const size_t mapped = MappedPageBytes();
+  // A window no run of this test outlasts: no clock decides anything.
+  LargeMemoryCache cache(64 << 20, false, std::chrono::hours(1));
+  std::vector<LargeMemoryCache::Block> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(cache.Get(1 << 20));
+  // Down to one in use: the seven idle ones stay (the instant's rule kept
+  // one).
+  for (int i = 0; i < 7; ++i) {
+    cache.Put(std::move(blocks.back()));
+    blocks.pop_back();
+  }
+  EXPECT_EQ(cache.in_use_bytes(), 1u << 20);
+  EXPECT_EQ(cache.idle_bytes(), 7u << 20);
+  // The next burst is served from them: nothing new is mapped.
+  for (int i = 0; i < 7; ++i) blocks.push_back(cache.Get(1 << 20));
+  EXPECT_EQ(MappedPageBytes() - mapped, 8u << 20);
+  for (LargeMemoryCache::Block& b : blocks) cache.Put(std::move(b));
+  EXPECT_EQ(cache.in_use_bytes(), 0u);
+  EXPECT_EQ(cache.idle_bytes(), 1u << 20);
+  EXPECT_EQ(MappedPageBytes() - mapped, 1u << 20);
 }
 
 // A connection's landing grants are 32 blocks of 128 KiB, mapped side by
