@@ -346,9 +346,12 @@ class Attacker {
       const std::string attack = absl::StrFormat(
           "(b) WRITE at the victim's %s with a guessed key that is its key, 0x%x (%s)",
           region ? "region" : "landing grant", g.key, g.how);
-      CO_RETURN_IF_ERROR(DocumentedGrantWrite(true, aim)
-                             ? co_await GrantWriteCompletes(aim, attack)
-                             : co_await FreshMustFail(true, aim, attack));
+      // (Not a conditional expression: gcc 12 ran both co_awaits of one.)
+      if (DocumentedGrantWrite(true, aim)) {
+        CO_RETURN_IF_ERROR(co_await GrantWriteCompletes(aim, attack));
+      } else {
+        CO_RETURN_IF_ERROR(co_await FreshMustFail(true, aim, attack));
+      }
     }
     std::vector<std::pair<bool, RemoteRegion>> aims;
     if (leak_.token) {
@@ -370,9 +373,11 @@ class Attacker {
           absl::StrFormat("(b) %s at the victim's %s with guessed key 0x%x (%s)",
                           write ? "WRITE" : "READ", grant ? "landing grant" : "region",
                           aim.rkey, guesses[i].how);
-      CO_RETURN_IF_ERROR(DocumentedGrantWrite(write, aim)
-                             ? co_await GrantWriteCompletes(aim, attack)
-                             : co_await FreshMustFail(write, aim, attack));
+      if (DocumentedGrantWrite(write, aim)) {
+        CO_RETURN_IF_ERROR(co_await GrantWriteCompletes(aim, attack));
+      } else {
+        CO_RETURN_IF_ERROR(co_await FreshMustFail(write, aim, attack));
+      }
     }
     co_return absl::OkStatus();
   }
