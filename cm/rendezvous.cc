@@ -311,7 +311,8 @@ bool ConnectionImpl::FitsWorkerBudget(uint64_t pinned) {
     c->SettleReady();
     behind += c->HeldBehindDeferred();
   }
-  return fits(w.rdv_held - behind);
+  // (Each connection's part is within its own count; guarded all the same.)
+  return fits(w.rdv_held > behind ? w.rdv_held - behind : 0);
 }
 
 uint64_t ConnectionImpl::RendezvousHeld() const {
@@ -331,7 +332,8 @@ bool ConnectionImpl::FitsBudget(uint32_t size) {
   // message up to max_message_size is never refused for it. (The oldest
   // deferred request is the one weighed: GrantDeferred goes oldest first.)
   const uint64_t pinned = Pinned(size);
-  const uint64_t held = rdv_held_ - HeldBehindDeferred();
+  const uint64_t behind = HeldBehindDeferred();
+  const uint64_t held = rdv_held_ > behind ? rdv_held_ - behind : 0;
   if (held != 0 && held + pinned > options_.rendezvous_budget) {
     return false;
   }
