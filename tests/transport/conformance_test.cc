@@ -316,6 +316,41 @@ TEST_P(ConformanceTest, WriteThenSendIsVisibleWhenSendArrives) {
   }
 }
 
+// The verbs contract: once a work request's completion -- or that of a
+// later signaled one on the same send queue -- is reported, the device no
+// longer reads its memory. A rendezvous relies on it (unsignaled WRITEs,
+// then a signaled DONE; the sender then reuses the buffer), so does every
+// application with selective signaling. The source is rewritten as soon as
+// the batch completes, before the peer looks: the peer must see the bytes
+// that were posted.
+TEST_P(ConformanceTest, WriteSourceRewrittenAfterItsBatchCompletedIsNotSent) {
+  // 1 MiB: more than a socket buffer holds, so that a device sending from
+  // the user's pages (siw does, for unsignaled WQEs of a page or more) may
+  // still be sending when the batch completes.
+  constexpr size_t kSize = 1 << 20;
+  Mem data = Reg(pd_a_.get(), kSize), target = Reg(pd_b_.get(), kSize);
+  Mem note = Reg(pd_a_.get(), 8), inbox = Reg(pd_b_.get(), 8);
+  int rewritten_seen = 0;
+  for (int round = 0; round < 10; ++round) {
+    const uint8_t posted = static_cast<uint8_t>(2 * round);
+    data.Fill(posted);
+    absl::StatusOr<WorkCompletion> recv;
+    SpawnRecv(b_.get(), inbox.Local(), &recv);
+    SendBatch batch;  // an unsignaled WRITE, then the signaled SEND
+    batch.AddWrite(data.Local(), target.Remote());
+    batch.AddSend(note.Local());
+    auto r = Run(Await(a_->PostBatch(batch)));
+    ASSERT_TRUE(r.ok()) << r.status();
+    data.Fill(static_cast<uint8_t>(posted + 1));  // the buffer is ours again
+    WaitFor(&recv);
+    ASSERT_TRUE(recv.ok()) << recv.status();
+    if (!target.Matches(posted, 0, kSize)) ++rewritten_seen;
+  }
+  EXPECT_EQ(rewritten_seen, 0)
+      << "rounds in which the peer received bytes written into the source "
+         "after the batch completed";
+}
+
 // --- Error cases: exact completion status, and the QP in the error state.
 
 TEST_P(ConformanceTest, BadRkeyIsRemoteAccessError) {
