@@ -24,30 +24,23 @@ inline std::string UnusedPeerAddress(const std::string& addr) {
 }
 
 // The providers a suite runs on: COVERBS_PROVIDER if set (the VM harness
-// sets verbs), else soft, plus verbs when a device is present.
-inline std::vector<std::string> Providers() {
+// sets verbs), else soft -- and the in-process loop provider with
+// `in_process` -- plus verbs when a device is present.
+inline std::vector<std::string> Providers(bool in_process = false) {
   const char* env = std::getenv("COVERBS_PROVIDER");
   if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
     return {env};
   }
   std::vector<std::string> v = {"soft"};
+  if (in_process) v.push_back("loop");
   if (transport::VerbsDevicesPresent()) v.push_back("verbs");
   return v;
 }
 
-// Providers() plus the in-process loop provider, for suites whose peers
-// all live in the test's process: loop completes every work request at
-// once, in the posting thread, an order of events no wire makes (it found
-// a rendezvous budget that waited for ever). With COVERBS_PROVIDER set,
-// that one only.
-inline std::vector<std::string> InProcessProviders() {
-  std::vector<std::string> v = Providers();
-  const char* env = std::getenv("COVERBS_PROVIDER");
-  if (env == nullptr || *env == '\0' || std::string(env) == "auto") {
-    v.insert(v.begin() + 1, "loop");
-  }
-  return v;
-}
+// For suites whose peers all live in the test's process: loop completes
+// every work request at once, in the posting thread, an order of events no
+// wire makes (it found a rendezvous budget that waited for ever).
+inline std::vector<std::string> InProcessProviders() { return Providers(true); }
 
 }  // namespace coverbs::cm
 
