@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -90,8 +91,7 @@ struct Run {
 // pattern of the worker's own before the run's clock starts) carries the
 // call index in the first 8 bytes so that every echo is distinct.
 Task<void> Caller(Run* run, rpc::Client* client, int worker,
-                  std::vector<std::byte>* request_buffer) {
-  std::vector<std::byte>& request = *request_buffer;
+                  std::span<std::byte> request) {
   while (true) {
     int64_t i = run->next.fetch_add(1);
     if (i >= run->calls) break;
@@ -157,7 +157,7 @@ Task<absl::Status> Main(cm::Worker* ctx, std::vector<Run>* runs,
     absl::Time start = absl::Now();
     for (int w = 0; w < concurrency; ++w) {
       Reactor::Current()->Spawn(
-          Caller(&run, clients[w % clients.size()].get(), w, &requests[w]));
+          Caller(&run, clients[w % clients.size()].get(), w, requests[w]));
     }
     status = co_await run.done.Wait();
     elapsed->push_back(absl::Now() - start);
